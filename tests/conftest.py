@@ -1,0 +1,22 @@
+"""Test-wide settings: must run before any project module (the Triton interpreter is read at import)."""
+
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_DIR", str(ROOT / ".cache" / "wandb"))
+os.environ.setdefault("WANDB_CACHE_DIR", str(ROOT / ".cache" / "wandb-cache"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
