@@ -1,0 +1,315 @@
+"""The job file: one TOML document that every process of a job reads.
+
+`load_job(path)` turns it into a tree of frozen pydantic models. Every error names the
+key (dotted path) and the reason, so a bad job fails at start, not halfway through.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+IPC_PATH_MAX = 107  # sun_path limit for ipc:// endpoints
+SLOT_ALIGN = 256  # every tensor in a slot starts on this boundary
+
+
+class ConfigError(ValueError):
+    """A job file that cannot run; the message names the file, the key and the reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class JobSection(_Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)] = "job"
+    run_dir: str = "runs/job"
+    seed: int = 0
+
+
+class TargetConfig(_Section):
+    path: str  # local Hugging Face model directory (config.json, weights, tokenizer)
+    dtype: DType = "bfloat16"
+    device: str = "cpu"
+    attn_implementation: Literal["eager", "sdpa", "flex_attention"] = "sdpa"
+    num_features: Annotated[int, Field(ge=1, le=64)] = 5
+    layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # overrides the DFlash formula
+
+
+class DataConfig(_Section):
+    path: str  # JSONL file
+    format: Literal["chat", "prompt_response"] = "chat"
+    tokenizer: str | None = None  # default: the target's directory
+    max_length: Annotated[int, Field(ge=8)] = 2048
+    tokens_per_batch: Annotated[int, Field(ge=8)] = 8192
+    epochs: Annotated[int, Field(ge=1)] = 1
+    length_group_window: Annotated[int, Field(ge=1)] = 64  # batches sorted by length within this window
+    prefetch_batches: Annotated[int, Field(ge=1)] = 8  # tokenized batches kept ahead of the forward
+    shard_by_node: bool = True  # multi-node jobs: each node reads its own disjoint shard
+
+    @model_validator(mode="after")
+    def _budget_holds_a_sequence(self) -> DataConfig:
+        if self.tokens_per_batch < self.max_length:
+            raise ValueError(
+                f"tokens_per_batch ({self.tokens_per_batch}) is smaller than max_length ({self.max_length}):"
+                " a full-length sample could never be packed"
+            )
+        return self
+
+
+class TransportConfig(_Section):
+    kind: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the target runs on cuda
+    slots: Annotated[int, Field(ge=2, le=256)] = 4
+    slot_bytes: Annotated[int, Field(ge=0)] = 0  # 0: derived from the largest batch
+    endpoint: Literal["ipc", "tcp"] = "ipc"
+    tcp_host: str = "127.0.0.1"
+    tcp_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    heartbeat_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    attach_timeout_s: Annotated[float, Field(gt=0)] = 600.0  # producer waits this long for every group
+    on_dead_group: Literal["block", "skip"] = "block"
+
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> TransportConfig:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice"
+                f" heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        return self
+
+
+class DrafterConfig(_Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=32)]
+    block_size: Annotated[int, Field(ge=2, le=64)] = 16
+    num_layers: Annotated[int, Field(ge=1, le=64)] = 5
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, else the last vocab row
+    anchors_per_seq: Annotated[int, Field(ge=1)] = 512
+    gamma: Annotated[float, Field(gt=0)] | None = None  # loss decay; default from block_size
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    loss_chunk_rows: Annotated[int, Field(ge=16)] = 2048
+    dtype: DType = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
+    lr: Annotated[float, Field(gt=0)] = 6e-4
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    warmup_frac: Annotated[float, Field(ge=0, lt=1)] = 0.04
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: Annotated[float, Field(gt=0)] = 1.0
+    total_steps: Annotated[int, Field(ge=1)] = 10_000  # length of the lr schedule
+    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # gradient accumulation target; 0: one batch a step
+    replicas: Annotated[int, Field(ge=1, le=1024)] = 1
+    devices: list[str] = Field(default_factory=list)  # one per replica; empty: every replica on "cpu"
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    checkpoint_every: Annotated[int, Field(ge=1)] = 500
+    log_every: Annotated[int, Field(ge=1)] = 10
+    max_nonfinite_steps: Annotated[int, Field(ge=1)] = 10
+    seed: int | None = None  # default: the job seed
+
+    @model_validator(mode="after")
+    def _devices_match_replicas(self) -> DrafterConfig:
+        if self.devices and len(self.devices) != self.replicas:
+            raise ValueError(f"devices lists {len(self.devices)} entries but replicas is {self.replicas}")
+        return self
+
+    @property
+    def loss_gamma(self) -> float:
+        """The paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8; interpolated otherwise."""
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size * 7.0 / 16.0))
+
+    def device_of(self, replica: int) -> str:
+        return self.devices[replica] if self.devices else "cpu"
+
+
+class TelemetryConfig(_Section):
+    interval_s: Annotated[float, Field(ge=0)] = 2.0  # publish period of every process; 0 disables profiling
+    window_s: Annotated[float, Field(gt=0)] = 5.0  # aggregation window of the telemetry process
+    stale_after_s: Annotated[float, Field(gt=0)] = 15.0
+    nvml_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    wandb_project: str = "dflash"
+    wandb_entity: str | None = None
+    wandb_queue: Annotated[int, Field(ge=1)] = 1024
+
+
+class JobConfig(_Section):
+    job: JobSection = Field(default_factory=JobSection)
+    target: TargetConfig
+    data: DataConfig
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    drafters: Annotated[list[DrafterConfig], Field(min_length=1)]
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobConfig:
+        names = [d.name for d in self.drafters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"drafters: duplicate name(s) {dupes}")
+        if self.transport.kind == "cuda" and not self.target.device.startswith("cuda"):
+            raise ValueError("transport.kind is 'cuda' but target.device is not a CUDA device")
+        return self
+
+    def drafter(self, name: str) -> DrafterConfig:
+        for d in self.drafters:
+            if d.name == name:
+                return d
+        raise ConfigError(f"no drafter named {name!r} in the job (have {[d.name for d in self.drafters]})")
+
+    @property
+    def transport_kind(self) -> Literal["cpu", "cuda"]:
+        if self.transport.kind != "auto":
+            return self.transport.kind
+        return "cuda" if self.target.device.startswith("cuda") else "cpu"
+
+    @property
+    def run_paths(self) -> RunPaths:
+        return RunPaths(Path(self.job.run_dir))
+
+
+class RunPaths:
+    """Where a job keeps its files: one place that knows the run directory's layout."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @property
+    def sockets(self) -> Path:
+        return self.root / "sockets"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def telemetry(self) -> Path:
+        return self.root / "telemetry"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.telemetry / "metrics.jsonl"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    @property
+    def job_copy(self) -> Path:
+        return self.root / "job.toml"
+
+    def checkpoints(self, drafter: str) -> Path:
+        return self.root / "checkpoints" / drafter
+
+    def ipc(self, name: str) -> str:
+        return f"ipc://{(self.sockets / name).resolve()}"
+
+    def make(self) -> None:
+        """Create the layout; sockets/ is private to the job's user (0700)."""
+        for d in (self.root, self.logs, self.telemetry, self.wandb):
+            d.mkdir(parents=True, exist_ok=True)
+        self.sockets.mkdir(parents=True, exist_ok=True)
+        self.sockets.chmod(0o700)
+
+
+def required_slot_bytes(tokens: int, feature_width: int, dtype: str, max_sequences: int | None = None) -> int:
+    """Bytes one packed batch needs: hidden [T, n*H], input_ids [T], loss_mask [T], cu_seqlens [B+1]."""
+    seqs = tokens if max_sequences is None else max_sequences
+
+    def aligned(n: int) -> int:
+        return int(math.ceil(n / SLOT_ALIGN) * SLOT_ALIGN)
+
+    return (
+        aligned(tokens * feature_width * DTYPE_BYTES[dtype])
+        + aligned(tokens * 8)  # input_ids int64
+        + aligned(tokens * 1)  # loss_mask uint8
+        + aligned((seqs + 1) * 4)  # cu_seqlens int32
+        + aligned(seqs * 8)  # sample ids int64
+    )
+
+
+def _format_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid job file ({err.error_count()} error(s))"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_job(doc: dict, source: str = "<job>") -> JobConfig:
+    try:
+        job = JobConfig.model_validate(doc)
+    except ValidationError as err:
+        raise ConfigError(_format_error(source, err)) from None
+    ipc_len = len(str((Path(job.job.run_dir) / "sockets" / "telemetry-out.sock").resolve()))
+    if job.transport.endpoint == "ipc" and ipc_len > IPC_PATH_MAX:
+        raise ConfigError(
+            f"{source}: job.run_dir: socket paths under it would be {ipc_len} characters, over the"
+            f" {IPC_PATH_MAX}-character limit of ipc:// endpoints; choose a shorter run_dir"
+        )
+    _check_slot_capacity(job, source)
+    return job
+
+
+def _check_slot_capacity(job: JobConfig, source: str) -> None:
+    """A fixed slot_bytes must hold the largest batch; known only when the target's config is on disk."""
+    if job.transport.slot_bytes == 0:
+        return
+    width = target_feature_width(job)
+    if width is None:
+        return
+    need = required_slot_bytes(job.data.tokens_per_batch, width, job.target.dtype)
+    if job.transport.slot_bytes < need:
+        raise ConfigError(
+            f"{source}: transport.slot_bytes: {job.transport.slot_bytes} bytes is smaller than the largest"
+            f" batch ({need} bytes for data.tokens_per_batch={job.data.tokens_per_batch} tokens ×"
+            f" {width} features in {job.target.dtype}); raise it or set 0 to size it automatically"
+        )
+
+
+def target_feature_width(job: JobConfig) -> int | None:
+    """n·H, read from the target's config.json when it exists."""
+    cfg_path = Path(job.target.path) / "config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        hidden = int(json.loads(cfg_path.read_text()).get("hidden_size", 0))
+    except (ValueError, OSError):
+        return None
+    n = len(job.target.layer_ids) if job.target.layer_ids else job.target.num_features
+    return n * hidden if hidden else None
+
+
+def load_job(path: str | Path) -> JobConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read job file: {err.strerror}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return parse_job(doc, str(path))
+
+
+def dflash_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """The DFlash default: ids[i] = round(1 + i*(N-4)/(n-1)); one feature → [N//2]."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 5:
+        # too shallow for the formula: spread over the layers that exist
+        return sorted({round(i * (num_target_layers - 1) / (num_features - 1)) for i in range(num_features)})
+    return [round(1 + i * (num_target_layers - 4) / (num_features - 1)) for i in range(num_features)]
