@@ -239,7 +239,9 @@ def _format_error(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid job file ({err.error_count()} error(s))"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<top level>"
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
+        if key == "<top level>" and ": " in msg:  # cross-section checks name their key first
+            key, msg = msg.split(": ", 1)
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
