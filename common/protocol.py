@@ -29,16 +29,6 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
-class TensorLayout:
-    """Where one named tensor lies inside a slot: travels in BATCH, turned into views by the ring."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-
-
-@dataclass(frozen=True)
 class Hello:
     """consumer → producer: who I am and where I resume (the next seq my drafter has not trained)."""
 
@@ -79,7 +69,7 @@ class Batch:
     seq: int
     slot: int
     data_epoch: int  # pass over the dataset this batch belongs to
-    layout: list[TensorLayout]
+    layout: list[tuple[str, str, list[int], int]]  # (name, dtype, shape, offset): common.ring.TensorSpec
     sample_ids: list[int]
     num_tokens: int
     num_loss_tokens: int
@@ -130,7 +120,7 @@ Message = Hello | Welcome | Attached | Batch | Release | Heartbeat | End | Fail 
 MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 _FIELDS: dict[type, list[tuple[str, Any]]] = {
     cls: [(f.name, typing.get_type_hints(cls)[f.name]) for f in dataclasses.fields(cls)]
-    for cls in (*MESSAGE_TYPES.values(), TensorLayout)
+    for cls in MESSAGE_TYPES.values()
 }
 
 
@@ -138,8 +128,6 @@ _FIELDS: dict[type, list[tuple[str, Any]]] = {
 
 
 def _to_wire(value: Any) -> Any:
-    if isinstance(value, TensorLayout):
-        return [value.name, value.dtype, list(value.shape), value.offset]
     if isinstance(value, list | tuple):
         return [_to_wire(v) for v in value]
     return value
@@ -185,15 +173,6 @@ def _check(value: Any, ann: Any, where: str) -> Any:
         if len(value) > MAX_BYTES:
             raise ProtocolError(f"{where}: {len(value)} bytes, over {MAX_BYTES}")
         return value
-    if ann is TensorLayout:
-        if type(value) is not list or len(value) != 4:
-            raise ProtocolError(f"{where}: a tensor layout is [name, dtype, shape, offset]")
-        name, dtype, shape, offset = (
-            _check(v, a, f"{where}.{n}") for v, (n, a) in zip(value, _FIELDS[TensorLayout], strict=True)
-        )
-        if offset < 0 or any(d < 0 for d in shape) or len(shape) > 8:
-            raise ProtocolError(f"{where}: negative offset or dimension, or more than 8 dimensions")
-        return TensorLayout(name, dtype, shape, offset)
     if origin is list:
         (item,) = typing.get_args(ann)
         if type(value) is not list:
@@ -204,7 +183,7 @@ def _check(value: Any, ann: Any, where: str) -> Any:
     if origin is tuple:
         items = typing.get_args(ann)
         if type(value) is not list or len(value) != len(items):
-            raise ProtocolError(f"{where}: expected a pair of {len(items)} values")
+            raise ProtocolError(f"{where}: expected an array of {len(items)} values")
         return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, items, strict=True)))
     if origin is dict:
         if type(value) is not dict or len(value) > MAX_DICT:
@@ -269,7 +248,6 @@ __all__ = [
     "Message",
     "ProtocolError",
     "Release",
-    "TensorLayout",
     "Welcome",
     "decode",
     "describe",

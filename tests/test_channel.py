@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from common.channel import PRODUCER_PEER, ConsumerChannel, PeerLost, ProducerChannel, Received
-from common.protocol import Attached, Batch, Bye, Hello, Release, TensorLayout, Welcome, encode
+from common.protocol import Attached, Batch, Bye, Hello, Release, Welcome, encode
 
 
 def wait_for(channel, kind, timeout=10.0):
@@ -42,7 +42,7 @@ def test_handshake_and_batches_round_trip(endpoint):
         assert wait_for(cons, Welcome).msg.epoch == 1
         cons.send(Attached(1))
         wait_for(prod, Attached)
-        layout = [TensorLayout("hidden", "float32", [4, 8], 0)]
+        layout = [("hidden", "float32", [4, 8], 0)]
         for seq in range(50):
             prod.send(hello.peer, Batch(1, seq, seq % 4, 0, layout, [seq], 4, 2))
         got = [wait_for(cons, Batch).msg.seq for _ in range(50)]
