@@ -35,7 +35,7 @@ MAX_PENDING_CUDA = 4096  # unread CUDA event pairs kept; past this, GPU timings 
 class ProfileStats:
     """Running totals of timers (count, sum, max, min), counters (sum) and gauges (last, count, sum, max, min)."""
 
-    __slots__ = ("_counters", "_cuda", "_gauges", "_gpu_timers", "_timers", "created_wall")
+    __slots__ = ("_counters", "_cuda", "_gauges", "_gpu_timers", "_timers", "started_mono")
 
     def __init__(self) -> None:
         self._timers: dict[str, list[float]] = {}
@@ -43,7 +43,7 @@ class ProfileStats:
         self._counters: dict[str, int | float] = {}
         self._gauges: dict[str, list[float]] = {}  # [last, count, sum, max, min]
         self._cuda: _CudaEvents | None = None
-        self.created_wall = time.time()
+        self.started_mono = time.monotonic()  # totals cover the time since this instant
 
     # ---- hot path -------------------------------------------------------------------------------
 
@@ -257,6 +257,6 @@ def format_profile_line(snapshot: dict[str, Any], wall_s: float, top: int = 28) 
         for total, name, n, mean, mx in rows[:top]:
             parts.append(f"{name} {n}×{mean * 1e3:.2f}ms (max {mx * 1e3:.2f}) {100.0 * total / wall_s:.1f}%")
     counters = snapshot.get("counters", {})
-    if counters:
-        parts.append(" ".join(f"{k}={v / wall_s:.4g}/s" for k, v in sorted(counters.items())))
+    if any(counters.values()):
+        parts.append(" ".join(f"{k}={v / wall_s:.4g}/s" for k, v in sorted(counters.items()) if v))
     return " | ".join(parts)
