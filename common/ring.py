@@ -213,7 +213,8 @@ class SlotRing:
         self._ring()[: _HEADER.size].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
     def handle(self) -> dict:
-        """Plain values for WELCOME. CUDA: every call is a fresh export that must be attached exactly once."""
+        """Flat plain values (str, int, bytes) for WELCOME. CUDA: every call is a fresh export, to be
+        attached exactly once (one call per consumer)."""
         buf = self._ring()
         common = dict(version=_VERSION, kind=self.kind, num_slots=self.num_slots, slot_bytes=self.slot_bytes)
         common.update(total_bytes=buf.numel(), canary=self.canary)
@@ -232,7 +233,7 @@ class SlotRing:
             raise RingError(f"ring handle must be a dict, got {type(handle).__name__}")
         want = dict.fromkeys(("version", "num_slots", "slot_bytes", "total_bytes"), int)
         want.update(kind=str, canary=bytes)
-        want.update(dict(path=str) if handle.get("kind") == "cpu" else dict(gpu_uuid=str, ipc=list))
+        want.update(dict(path=str) if handle.get("kind") == "cpu" else dict(gpu_uuid=str))
         for key, typ in want.items():
             if not isinstance(handle.get(key), typ) or isinstance(handle.get(key), bool):
                 raise RingError(f"ring handle: {key!r} must be {typ.__name__}, got {handle.get(key)!r:.60}")

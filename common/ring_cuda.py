@@ -54,12 +54,16 @@ def _check_dedicated_segment(buf: torch.Tensor) -> None:
     raise RingError("the CUDA ring's allocator segment was not found: is a custom CUDA allocator active?")
 
 
+_IPC_KEYS = ("ipc_device", "ipc_handle", "ipc_size", "ipc_offset")
+_IPC_KEYS += ("ipc_ref_counter", "ipc_ref_offset", "ipc_event", "ipc_event_sync")
+_IPC_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)
+
+
 def export(buf: torch.Tensor) -> dict:
-    """A fresh export of the ring (new ref counter): plain values for msgpack, to be attached once."""
-    dev, h, size, off, ref_h, ref_off, ev_h, ev_sync = buf.untyped_storage()._share_cuda_()
+    """A fresh export of the ring (new ref counter) as flat plain values, to be attached exactly once."""
+    fields = buf.untyped_storage()._share_cuda_()
     uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
-    ipc = [int(dev), bytes(h), int(size), int(off), bytes(ref_h), int(ref_off), bytes(ev_h), bool(ev_sync)]
-    return {"gpu_uuid": uuid, "ipc": ipc}
+    return {"gpu_uuid": uuid, **{k: t(v) for k, t, v in zip(_IPC_KEYS, _IPC_TYPES, fields, strict=True)}}
 
 
 def local_index(gpu_uuid: str) -> int:
@@ -79,12 +83,12 @@ def attach(handle: dict, total: int, device: str | None) -> torch.Tensor:
     """Rebuild the exported ring once; `device` is the consumer's own GPU, checked for peer access."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    ipc = handle["ipc"]
-    if len(ipc) != 8:
-        raise RingError(f"ring handle: 'ipc' must hold 8 fields, got {len(ipc)}")
-    _dev, h, size, off, ref_h, ref_off, ev_h, ev_sync = ipc
-    if not (isinstance(h, bytes) and isinstance(ref_h, bytes) and isinstance(size, int) and size >= total):
-        raise RingError(f"ring handle: malformed 'ipc' fields for a {total}-byte ring")
+    for key, typ in zip(_IPC_KEYS, _IPC_TYPES, strict=True):
+        if not isinstance(handle.get(key), typ) or (typ is int and isinstance(handle[key], bool)):
+            raise RingError(f"ring handle: {key!r} must be {typ.__name__}, got {handle.get(key)!r:.60}")
+    _dev, h, size, off, ref_h, ref_off, ev_h, ev_sync = (handle[k] for k in _IPC_KEYS)
+    if size < total:
+        raise RingError(f"ring handle: the shared storage holds {size} bytes, fewer than {total}")
     local = local_index(handle["gpu_uuid"])
     mine = torch.device(device) if device is not None else None
     peer = mine is not None and mine.type == "cuda" and mine.index not in (None, local)

@@ -319,3 +319,15 @@ def test_cuda_canary_mismatch_is_rejected(name, child):
         assert child.exit() == 0
     finally:
         ring.close()
+
+
+def test_cuda_handle_is_validated_before_any_cuda_call():
+    handle = dict(
+        version=1, kind="cuda", num_slots=2, slot_bytes=4096, total_bytes=20 << 20, canary=bytes(16)
+    )
+    with pytest.raises(RingError, match="'gpu_uuid' must be str"):
+        SlotRing.attach(handle)
+    with pytest.raises(RingError, match="'ipc_handle' must be bytes"):
+        SlotRing.attach({**handle, "gpu_uuid": "GPU-x", "ipc_device": 0, "ipc_handle": "not bytes"})
+    with pytest.raises(RingError, match="do not fit"):
+        SlotRing.attach({**handle, "gpu_uuid": "GPU-x", "total_bytes": 4096})
