@@ -116,7 +116,7 @@ class _Channel:
             log.warning("channel I/O thread did not stop within 5 s")
             return
         self._wake_rx.close(0)
-        self._sock.close(0)
+        self._sock.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ I/O thread
@@ -143,6 +143,7 @@ class _Channel:
                 self._send_heartbeats()
                 next_beat = now + self.heartbeat_interval_s
             self._expire_peers(now)
+        self._flush_outbox()  # a BYE or END queued just before close() still goes out (LINGER bounds it)
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -210,7 +211,7 @@ class _Channel:
 
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, 200)  # ms: enough to deliver a last BYE/END, never a hang
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)

@@ -1,0 +1,199 @@
+"""A consumer's side of the hand-off: attach to the producer's ring once, then turn BATCH messages into
+batches copied out of their slots (slots released at once), until END.
+
+The trainer sees an iterator of `ReceivedBatch`; sessions, fencing and re-attachment stay in here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.channel import ConsumerChannel, PeerLost
+from common.config import JobConfig
+from common.profile import ProfileStats
+from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome, describe
+from common.ring import RingError, SlotRing, layout_from_wire
+
+log = logging.getLogger("consumer")
+
+
+class ProducerLost(RuntimeError):
+    """The producer stopped answering (crash, kill, network): the caller checkpoints and exits non-zero."""
+
+
+class ConsumerRejected(RuntimeError):
+    """The producer refused this consumer for good (unknown drafter, incompatible ring)."""
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """Tensors are views of the stream's copy-out buffers: valid until the next call to `next()`."""
+
+    seq: int
+    data_epoch: int
+    sample_ids: list[int]
+    hidden: torch.Tensor  # [T, n·H] target dtype
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] uint8
+    cu_seqlens: torch.Tensor  # [B+1] int32
+    received_at: float
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    reason: str
+    last_seq: int
+
+
+class BatchStream:
+    def __init__(
+        self,
+        job: JobConfig,
+        drafter: str,
+        replica: int,
+        device: torch.device,
+        resume_seq: Callable[[], int],
+        prof: ProfileStats | None = None,
+    ):
+        """`resume_seq()` gives the next seq this drafter needs (asked again on every re-attachment)."""
+        self.job = job
+        self.drafter = drafter
+        self.replica = replica
+        self.device = device
+        self.resume_seq = resume_seq
+        self.prof = prof
+        t = job.transport
+        endpoint = job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else self._tcp_endpoint()
+        self.channel = ConsumerChannel(endpoint, f"{drafter}.{replica}", t.heartbeat_interval_s, t.heartbeat_timeout_s)
+        self.ring: SlotRing | None = None
+        self.epoch = -1
+        self.dropped_stale = 0  # batches discarded because this process stalled past the fence bound
+        self.reattached = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _tcp_endpoint(self) -> str:
+        path = self.job.run_paths.sockets / "control.endpoint"
+        deadline = time.monotonic() + self.job.transport.attach_timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise ProducerLost(f"no producer endpoint in {path} after {self.job.transport.attach_timeout_s:.0f} s")
+            time.sleep(0.1)
+        return path.read_text().strip()
+
+    # ------------------------------------------------------------------ session
+    def connect(self) -> None:
+        """HELLO → WELCOME → attach the ring (first time only) → ATTACHED."""
+        gpu = torch.cuda.get_device_properties(self.device).uuid if self.device.type == "cuda" else ""
+        resume = self.resume_seq()
+        self.channel.send(Hello(self.drafter, self.replica, os.getpid(), str(gpu), resume))
+        timeout = self.job.transport.attach_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = self.channel.recv(max(0.0, deadline - time.monotonic()))
+            if ev is None:
+                raise ProducerLost(f"no WELCOME from the producer within {timeout:.0f} s (transport.attach_timeout_s)")
+            if isinstance(ev, PeerLost):
+                raise ProducerLost(f"producer lost while attaching: {ev.reason}")
+            msg = ev.msg
+            if isinstance(msg, Fail):
+                raise ConsumerRejected(f"producer refused {self.drafter}.r{self.replica}: {msg.reason}")
+            if isinstance(msg, Welcome):
+                break
+            log.debug("ignoring %s while attaching", describe(msg))
+        if self.ring is None:  # the ring lives as long as the producer: opened once per process
+            try:
+                self.ring = SlotRing.attach(msg.ring, device=str(self.device) if self.device.type == "cuda" else None)
+            except RingError as err:
+                self.channel.send(Fail(f"cannot attach the ring: {err}"))
+                raise ConsumerRejected(f"cannot attach the producer's ring: {err}") from err
+        self.epoch = msg.epoch
+        self.channel.send(Attached(self.epoch))
+        log.info("%s.r%d attached (session %d, %s ring of %d × %.1f MiB), resuming at seq %d", self.drafter,
+                 self.replica, self.epoch, msg.transport, msg.num_slots, msg.slot_bytes / 2**20, resume)
+
+    def next(self, timeout_s: float) -> ReceivedBatch | StreamEnd | None:
+        """The next batch (copied out, its slot released), END, or None after `timeout_s` of silence."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ev = self.channel.recv(max(0.0, deadline - time.monotonic()))
+            if ev is None:
+                return None
+            if isinstance(ev, PeerLost):
+                raise ProducerLost(f"lost the producer: {ev.reason}")
+            msg = ev.msg
+            if isinstance(msg, Batch) and msg.epoch == self.epoch:
+                batch = self._copy_out(msg, ev.time)
+                if batch is not None:
+                    return batch
+            elif isinstance(msg, End):
+                return StreamEnd(msg.reason, msg.last_seq)
+            elif isinstance(msg, Fail):
+                if msg.fatal:
+                    raise ConsumerRejected(f"producer: {msg.reason}")
+                self._reattach(msg.reason)
+
+    def _copy_out(self, msg: Batch, received_at: float) -> ReceivedBatch | None:
+        assert self.ring is not None
+        start = time.perf_counter()
+        try:
+            views = self.ring.view(msg.slot, layout_from_wire(msg.layout))
+            missing = {"hidden", "input_ids", "loss_mask", "cu_seqlens"} - views.keys()
+            if missing:
+                raise RingError(f"layout lacks {sorted(missing)}")
+        except RingError as err:
+            log.error("batch %d: bad layout from the producer (%s); releasing it untouched", msg.seq, err)
+            self._release(msg)
+            return None
+        out = {name: self._buffer(name, v).copy_(v, non_blocking=True) for name, v in views.items()}
+        if self.ring.kind == "cuda" or self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()  # the slot may be reused once released: the reads must be complete
+        if self.channel.stalled_since(received_at):
+            # we may have been fenced while stopped and the slot rewritten under us: trust nothing
+            self.dropped_stale += 1
+            self._reattach("this process stalled past the heartbeat bound")
+            return None
+        self._release(msg)
+        if self.prof:
+            self.prof.add("copy_out", time.perf_counter() - start)
+            self.prof.count("batches")
+        self.channel.last_seq = msg.seq
+        return ReceivedBatch(msg.seq, msg.data_epoch, msg.sample_ids, out["hidden"], out["input_ids"],
+                             out["loss_mask"], out["cu_seqlens"], received_at)
+
+    def _buffer(self, name: str, view: torch.Tensor) -> torch.Tensor:
+        """Copy-out buffers are allocated once at the largest batch's size and reused."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != view.dtype or buf.shape[1:] != view.shape[1:] or buf.shape[0] < view.shape[0]:
+            rows = max(view.shape[0], self.job.data.tokens_per_batch + 1)
+            buf = torch.empty((rows, *view.shape[1:]), dtype=view.dtype, device=self.device)
+            self._buffers[name] = buf
+        return buf[: view.shape[0]]
+
+    def _release(self, msg: Batch) -> None:
+        self.channel.send(Release(self.epoch, [(msg.seq, msg.slot)]))
+
+    def _reattach(self, why: str) -> None:
+        """Start a new session: whatever this session was sent but did not train is sent again."""
+        self.reattached += 1
+        log.warning("%s.r%d re-attaching: %s", self.drafter, self.replica, why)
+        self.connect()
+
+    def bye(self, reason: str, trained_seq: int) -> None:
+        self.channel.send(Bye(reason, trained_seq))  # close() flushes it
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+
+__all__ = ["BatchStream", "ConsumerRejected", "ProducerLost", "ReceivedBatch", "StreamEnd"]

@@ -1,0 +1,351 @@
+"""The producer loop: data → target forward → slot → BATCH to every drafter group → releases.
+
+One target forward serves every drafter. The loop reads top to bottom in `run()`; message handling,
+slot waits and the end of the job are the helpers below it. Every wait is a poll with a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from common.channel import PeerLost, ProducerChannel, Received
+from common.config import JobConfig, required_slot_bytes
+from common.profile import ProfileStats
+from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
+from common.ring import DTYPES, SlotRing, TensorSpec, layout_to_wire
+from common.slot_table import SlotTable
+from producer.delivery import Delivery
+from producer.target import TargetCapture
+
+log = logging.getLogger("producer")
+
+POLL_S = 0.05
+
+
+class PackedBatch(Protocol):
+    seq: int
+    data_epoch: int
+    sample_ids: list[int]
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] uint8/bool
+    cu_seqlens: torch.Tensor  # [B+1] int32
+
+
+class StatsSink(Protocol):
+    def maybe_publish(self, step: int | None = None, extra_gauges: dict | None = None) -> None: ...
+
+
+@dataclass
+class ProducerCounters:
+    batches: int = 0
+    tokens: int = 0
+    stale_messages: int = 0
+    fenced: int = 0
+
+
+def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
+    """Where a packed batch's tensors lie in a slot (aligned); the features come first and largest."""
+    items = [
+        ("hidden", feature_dtype, (tokens, feature_width)),
+        ("input_ids", "int64", (tokens,)),
+        ("loss_mask", "uint8", (tokens,)),
+        ("cu_seqlens", "int32", (sequences + 1,)),
+    ]
+    layout, offset = [], 0
+    for name, dtype, shape in items:
+        spec = TensorSpec(name, dtype, shape, offset)
+        layout.append(spec)
+        offset = -(-(offset + spec.nbytes) // 256) * 256
+    return layout
+
+
+class ProducerService:
+    def __init__(
+        self,
+        job: JobConfig,
+        target: TargetCapture,
+        batches_from: Callable[[int], Iterator[PackedBatch]],
+        total_batches: int,
+        *,
+        ring_name: str,
+        prof: ProfileStats | None = None,
+        stats: StatsSink | None = None,
+    ):
+        self.job = job
+        self.target = target
+        self.batches_from = batches_from
+        self.prof = prof
+        self.stats = stats
+        self.counters = ProducerCounters()
+        self.feature_dtype = str(target.dtype).removeprefix("torch.")
+        assert self.feature_dtype in DTYPES
+        slot_bytes = job.transport.slot_bytes or required_slot_bytes(
+            job.data.tokens_per_batch, target.feature_width, self.feature_dtype
+        )
+        self.ring = SlotRing.create(
+            job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.device
+        )
+        self.table = SlotTable(job.transport.slots)
+        self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group)
+        t = job.transport
+        self.channel = ProducerChannel(job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else
+                                       f"tcp://{t.tcp_host}:{t.tcp_port or '*'}",
+                                       t.heartbeat_interval_s, t.heartbeat_timeout_s)
+        (job.run_paths.sockets / "control.endpoint").write_text(self.channel.endpoint)
+        self._stop_reason: str | None = None
+        self._ended_peers: set[bytes] = set()
+        self._stream: Iterator[PackedBatch] | None = None
+        self._stream_next = -1
+        log.info("ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
+                 job.transport_kind, t.slots, self.ring.slot_bytes / 2**20, self.channel.endpoint, total_batches)
+
+    # ------------------------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        self._install_signal_handlers()
+        try:
+            if not self._wait_for_groups():
+                return 2
+            while self._stop_reason is None:
+                self._handle_messages(timeout_s=0)
+                if self.delivery.finished():
+                    break
+                seq = self.delivery.next_seq()
+                if seq is None:  # a group without members holds us back (block mode)
+                    self._timed_wait("wait_consumers")
+                    continue
+                slot = self._acquire_slot()
+                if slot is None:
+                    continue  # stop requested, or the recipients changed while we waited
+                batch = self._batch_at(seq)
+                layout = self._write_slot(slot, batch)
+                self._publish(slot, batch, layout)
+                if self.stats:
+                    self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
+            return self._finish()
+        finally:
+            self.close()
+
+    # ------------------------------------------------------------------------------------ stages
+    def _batch_at(self, seq: int) -> PackedBatch:
+        """The batch for `seq`, from the tokenizer thread's stream; restarts the stream on a jump (replay)."""
+        if self._stream is None or self._stream_next != seq:
+            log.info("batch stream starts at seq %d", seq)
+            self._stream = self.batches_from(seq)
+        with self._timer("data"):
+            batch = next(self._stream)
+        if batch.seq != seq:
+            raise RuntimeError(f"batch stream gave seq {batch.seq}, expected {seq}: the batch plan is not deterministic")
+        self._stream_next = seq + 1
+        return batch
+
+    def _write_slot(self, slot: int, batch: PackedBatch) -> list[TensorSpec]:
+        tokens, seqs = int(batch.input_ids.shape[0]), int(batch.cu_seqlens.shape[0]) - 1
+        layout = slot_layout(tokens, seqs, self.target.feature_width, self.feature_dtype)
+        views = self.ring.view(slot, layout)
+        with self._timer("forward"):
+            self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
+        with self._timer("write_slot"):
+            cuda = self.ring.kind == "cuda"
+            views["input_ids"].copy_(batch.input_ids, non_blocking=cuda)
+            views["loss_mask"].copy_(batch.loss_mask, non_blocking=cuda)
+            views["cu_seqlens"].copy_(batch.cu_seqlens, non_blocking=cuda)
+            self.ring.write_event(slot)
+        while not self.ring.is_written(slot):  # CUDA: poll the event, keep serving messages meanwhile
+            self._handle_messages(timeout_s=0.0005)
+        return layout
+
+    def _publish(self, slot: int, batch: PackedBatch, layout: list[TensorSpec]) -> None:
+        members = self.delivery.recipients(batch.seq)
+        if not members:
+            self.table.abort(slot)
+            return
+        num_loss = int(batch.loss_mask.sum()) if batch.loss_mask.device.type == "cpu" else -1
+        wire = layout_to_wire(layout)
+        for m in members:
+            self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, batch.data_epoch, wire,
+                                            list(batch.sample_ids), int(batch.input_ids.shape[0]), num_loss))
+        self.table.publish(slot, batch.seq, [m.peer for m in members])
+        self.channel.last_seq = batch.seq
+        self.counters.batches += 1
+        self.counters.tokens += int(batch.input_ids.shape[0])
+        if self.prof:
+            self.prof.count("batches")
+            self.prof.count("tokens", int(batch.input_ids.shape[0]))
+            self.prof.count("sequences", len(batch.sample_ids))
+            self.prof.count("loss_tokens", max(num_loss, 0))
+        for g in self.delivery.groups.values():
+            if g.ended:
+                self._end_group(g.drafter)
+
+    def _acquire_slot(self) -> int | None:
+        """A free slot; waits (back-pressure, timed) while every slot is held by consumers."""
+        start = time.perf_counter()
+        slot = self.table.acquire()
+        while slot is None and self._stop_reason is None:
+            self._handle_messages(timeout_s=POLL_S)
+            slot = self.table.acquire()
+        if self.prof:
+            self.prof.add("wait_slot", time.perf_counter() - start)
+        if slot is not None and self.delivery.next_seq() is None:
+            self.table.abort(slot)  # a group vanished while we waited
+            return None
+        return slot
+
+    # ------------------------------------------------------------------------------------ messages
+    def _handle_messages(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ev = self.channel.recv(max(0.0, deadline - time.monotonic()))
+            if ev is None:
+                return
+            if isinstance(ev, PeerLost):
+                self._fence(ev.peer, ev.reason)
+            else:
+                self._on_message(ev)
+            deadline = time.monotonic()  # drain whatever else is queued, then return
+
+    def _on_message(self, ev: Received) -> None:
+        msg, peer = ev.msg, ev.peer
+        if isinstance(msg, Hello):
+            self._on_hello(peer, msg)
+        elif isinstance(msg, Attached):
+            member = self.delivery.attach(peer, msg.epoch)
+            if member is None:
+                self._stale(peer, msg)
+            else:
+                log.info("%s.r%d (pid %d) attached; its group resumes at seq %s", member.drafter, member.replica,
+                         member.pid, self.delivery.groups[member.drafter].cursor)
+        elif isinstance(msg, Release):
+            if self.delivery.member(peer, msg.epoch) is None:
+                self._stale(peer, msg)
+                return
+            for seq, slot in msg.pairs:
+                self.table.release(peer, seq, slot)
+        elif isinstance(msg, Bye):
+            member = self.delivery.leave(peer)
+            self.table.reclaim(peer)
+            self.channel.forget(peer)
+            if member:
+                log.info("%s.r%d said bye (%s, trained through seq %d)", member.drafter, member.replica,
+                         msg.reason, msg.trained_seq)
+        elif isinstance(msg, Fail):
+            log.error("consumer %r failed: %s", peer, msg.reason)
+            self._fence(peer, f"reported failure: {msg.reason}")
+        else:
+            self._stale(peer, msg)
+
+    def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        self.table.reclaim(peer)  # a previous session of this consumer holds nothing any more
+        self._ended_peers.discard(peer)
+        try:
+            member = self.delivery.join(peer, msg.drafter, msg.replica, msg.pid, msg.resume_seq)
+        except KeyError as err:
+            self.channel.send(peer, Fail(str(err.args[0]), fatal=True))
+            return
+        t = self.job.transport
+        self.channel.send(peer, Welcome(member.epoch, self.ring.kind, self.ring.num_slots, self.ring.slot_bytes,
+                                        self.ring.handle(), t.heartbeat_interval_s, t.heartbeat_timeout_s))
+
+    def _fence(self, peer: bytes, reason: str) -> None:
+        member = self.delivery.leave(peer)
+        freed = self.table.reclaim(peer)
+        self.channel.forget(peer)
+        if member:
+            self.counters.fenced += 1
+            if self.prof:
+                self.prof.count("fenced")
+            log.warning("fenced %s.r%d (pid %d): %s; reclaimed slots %s", member.drafter, member.replica,
+                        member.pid, reason, freed)
+
+    def _stale(self, peer: bytes, msg: object) -> None:
+        """A message from a session we no longer know (fenced, replaced): ignore it, tell the sender."""
+        self.counters.stale_messages += 1
+        if self.prof:
+            self.prof.count("stale_messages")
+        self.channel.send(peer, Fail("fenced: unknown session, send HELLO again", fatal=False))
+
+    # ------------------------------------------------------------------------------------ start, end
+    def _wait_for_groups(self) -> bool:
+        """Every group needs an attached member before the first batch (skip mode: as many as came in time)."""
+        deadline = time.monotonic() + self.job.transport.attach_timeout_s
+        last_note = 0.0
+        while self._stop_reason is None:
+            self._handle_messages(timeout_s=POLL_S)
+            missing = [g.drafter for g in self.delivery.groups.values() if not g.live()]
+            if not missing:
+                return True
+            now = time.monotonic()
+            if now > deadline:
+                if self.job.transport.on_dead_group == "skip" and len(missing) < len(self.delivery.groups):
+                    log.warning("starting without drafter group(s) %s (on_dead_group = skip)", missing)
+                    return True
+                log.error("no consumer attached for drafter(s) %s within transport.attach_timeout_s = %.0f s",
+                          missing, self.job.transport.attach_timeout_s)
+                return False
+            if now - last_note > 10:
+                log.info("waiting for consumers of %s", missing)
+                last_note = now
+        return False
+
+    def _end_group(self, drafter: str) -> None:
+        for m in self.delivery.groups[drafter].live():
+            if m.peer not in self._ended_peers:
+                self.channel.send(m.peer, End("data exhausted", self.delivery.total_batches - 1))
+                self._ended_peers.add(m.peer)
+
+    def _finish(self) -> int:
+        """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs."""
+        reason = self._stop_reason or "data exhausted"
+        for m in list(self.delivery.by_peer.values()):
+            if m.peer not in self._ended_peers:
+                self.channel.send(m.peer, End(reason, self.channel.last_seq))
+        grace = max(10.0, self.job.transport.heartbeat_timeout_s)
+        deadline = time.monotonic() + grace
+        while self.delivery.by_peer and time.monotonic() < deadline:
+            self._handle_messages(timeout_s=POLL_S)
+        if self.delivery.by_peer:
+            log.warning("consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace)
+        log.info("producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases",
+                 reason, self.counters.batches, self.counters.tokens, self.counters.fenced,
+                 self.counters.stale_messages, self.table.stale_releases)
+        return 0
+
+    def close(self) -> None:
+        self.channel.close()
+        self.ring.close()
+
+    # ------------------------------------------------------------------------------------ plumbing
+    def _install_signal_handlers(self) -> None:
+        def stop(signum, _frame):
+            self._stop_reason = f"stopped by {signal.Signals(signum).name}"
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def _timer(self, key: str):
+        return self.prof.timer(key) if self.prof else _NULL_TIMER
+
+    def _timed_wait(self, key: str) -> None:
+        start = time.perf_counter()
+        self._handle_messages(timeout_s=POLL_S)
+        if self.prof:
+            self.prof.add(key, time.perf_counter() - start)
+
+
+class _NullTimer:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_TIMER = _NullTimer()
+
