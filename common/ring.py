@@ -133,6 +133,7 @@ class SlotRing:
         self._path: Path | None = None  # CPU creator only: the file it removes at close
         self._inode = 0
         self._events: list = [None] * num_slots  # CUDA creator only: write-completion events
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the whole ring viewed as each dtype
         self.path: str | None = None
 
     # ---- creation (producer) ----
@@ -231,17 +232,20 @@ class SlotRing:
         device, used to check peer access to the ring's GPU (CUDA rings only)."""
         if not isinstance(handle, dict):
             raise RingError(f"ring handle must be a dict, got {type(handle).__name__}")
-        want = dict.fromkeys(("version", "num_slots", "slot_bytes", "total_bytes"), int)
-        want.update(kind=str, canary=bytes)
-        want.update(dict(path=str) if handle.get("kind") == "cpu" else dict(gpu_uuid=str))
+        if handle.get("kind") not in ("cpu", "cuda") or handle.get("version") != _VERSION:
+            raise RingError(
+                f"ring handle: unsupported kind/version {handle.get('kind')!r}/{handle.get('version')!r}"
+            )
+        want = dict.fromkeys(("num_slots", "slot_bytes", "total_bytes"), int)
+        want.update(canary=bytes, **(dict(path=str) if handle["kind"] == "cpu" else dict(gpu_uuid=str)))
         for key, typ in want.items():
             if not isinstance(handle.get(key), typ) or isinstance(handle.get(key), bool):
                 raise RingError(f"ring handle: {key!r} must be {typ.__name__}, got {handle.get(key)!r:.60}")
-        if handle["version"] != _VERSION or handle["kind"] not in ("cpu", "cuda"):
-            raise RingError(f"ring handle: unsupported version/kind {handle['version']}/{handle['kind']!r}")
         num_slots, slot_bytes, total = handle["num_slots"], handle["slot_bytes"], handle["total_bytes"]
         if num_slots < 1 or slot_bytes < 1 or total < HEADER_BYTES + num_slots * slot_bytes:
             raise RingError(f"ring handle: {num_slots} slots x {slot_bytes} B do not fit {total} B")
+        if slot_bytes % SLOT_ALIGN or total % SLOT_ALIGN:
+            raise RingError(f"ring handle: slot_bytes and total_bytes must be multiples of {SLOT_ALIGN}")
         if handle["kind"] == "cpu":
             buf = _attach_shm(handle["path"], total)
         else:
@@ -328,8 +332,16 @@ class SlotRing:
         return views
 
     def _tensor(self, slot: int, spec: TensorSpec) -> torch.Tensor:
-        start = HEADER_BYTES + slot * self.slot_bytes + spec.offset
-        return self._ring()[start : start + spec.nbytes].view(DTYPES[spec.dtype]).view(spec.shape)
+        dtype = DTYPES[spec.dtype]
+        whole = self._typed.get(dtype)
+        if whole is None:  # the ring reinterpreted once per dtype: one as_strided per view afterwards
+            whole = self._typed[dtype] = self._ring().view(dtype)
+        strides, step = [], 1
+        for size in reversed(spec.shape):
+            strides.append(step)
+            step *= size
+        start = (HEADER_BYTES + slot * self.slot_bytes + spec.offset) // dtype.itemsize
+        return whole.as_strided(spec.shape, strides[::-1], start)
 
     def _check_slot(self, slot: int) -> None:
         self._ring()
@@ -346,7 +358,7 @@ class SlotRing:
         """Drop this process's view; the creator also removes the file (CPU) or collects IPC blocks (CUDA)."""
         if self._buf is None:
             return
-        self._buf, self._events = None, [None] * self.num_slots
+        self._buf, self._events, self._typed = None, [None] * self.num_slots, {}
         if self._path is not None:
             try:
                 if os.stat(self._path).st_ino == self._inode:  # never remove a newer producer's ring

@@ -192,8 +192,12 @@ def test_canary_mismatch_is_rejected(name):
             SlotRing.attach({**handle, "canary": bytes(16)})
         with pytest.raises(RingError, match="header says 2 slots"):
             SlotRing.attach({**handle, "num_slots": 1})
+        with pytest.raises(RingError, match="unsupported kind"):
+            SlotRing.attach({**handle, "kind": "disk"})
         with pytest.raises(RingError, match="'canary' must be bytes"):
             SlotRing.attach({**handle, "canary": "x"})
+        with pytest.raises(RingError, match="multiples of 256"):
+            SlotRing.attach({**handle, "total_bytes": handle["total_bytes"] + 8})
         with pytest.raises(RingError, match="does not exist"):
             SlotRing.attach({**handle, "path": f"{SHM}/dflash-ring-no-such-{name}"})
         SlotRing.attach(handle).close()
