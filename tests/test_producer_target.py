@@ -1,0 +1,115 @@
+"""Target capture: features equal HF output_hidden_states, packed sequences stay independent, tail never runs."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from producer.target import TargetLoadError, load_target
+from producer.tiny import build_tiny_target, train_tokenizer
+
+N_LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("target")
+    tok = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, 400, root / "tok")
+    return build_tiny_target(root / "model", tok, num_layers=N_LAYERS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def full_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
+
+
+def reference(full_model, ids, layer_ids, attention_mask=None, position_ids=None):
+    with torch.no_grad():
+        hs = full_model(
+            ids[None], attention_mask=attention_mask, position_ids=position_ids, output_hidden_states=True
+        ).hidden_states
+    return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
+
+
+def test_single_sequence_features_equal_hidden_states_exactly(model_dir, full_model):
+    every = list(range(N_LAYERS))
+    cap = load_target(model_dir, layer_ids=every, dtype="float32")
+    ids = torch.randint(0, full_model.config.vocab_size, (23,), generator=torch.Generator().manual_seed(0))
+    feats = cap(ids, torch.tensor([0, 23]))
+    assert feats.shape == (23, N_LAYERS * 64) and feats.dtype == torch.float32
+    assert torch.equal(feats, reference(full_model, ids, every))
+
+
+def test_packed_batch_equals_full_model_on_the_same_packed_input(model_dir, full_model):
+    cap = load_target(model_dir, num_features=3, dtype="float32")
+    assert cap.layer_ids == [1, 2, 3]
+    lens = [5, 17, 1, 30]
+    cu = torch.tensor([0, 5, 22, 23, 53])
+    ids = torch.randint(0, full_model.config.vocab_size, (53,), generator=torch.Generator().manual_seed(1))
+    feats = cap(ids, cu)
+    # exact: the full model given the same block-diagonal mask and restarting positions
+    seq_idx = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))[None]
+    mask = cap._packed_mask(full_model.get_input_embeddings()(ids[None]), seq_idx)
+    positions = torch.cat([torch.arange(n) for n in lens])[None]
+    assert torch.equal(feats, reference(full_model, ids, cap.layer_ids, mask, positions))
+    # independent: each sequence alone gives the same features (up to fp32 reduction order)
+    for b in range(4):
+        s, e = int(cu[b]), int(cu[b + 1])
+        torch.testing.assert_close(
+            feats[s:e], reference(full_model, ids[s:e], cap.layer_ids), rtol=0, atol=1e-5
+        )
+
+
+def test_layers_after_the_last_captured_one_never_run(model_dir):
+    cap = load_target(model_dir, layer_ids=[0, 3], dtype="float32")
+    calls = []
+    for i, layer in enumerate(cap.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: calls.append(i))
+    cap(torch.arange(10), torch.tensor([0, 4, 10]))
+    assert calls == [0, 1, 2, 3]
+    assert cap.layers_run == 4 < cap.num_target_layers == N_LAYERS
+    assert not any("lm_head" in name for name, _ in cap.model.named_parameters())
+    assert not any(p.requires_grad for p in cap.model.parameters())
+
+
+def test_out_buffer_is_filled_in_place_and_checked(model_dir):
+    cap = load_target(model_dir, layer_ids=[2], dtype="float32")
+    out = torch.zeros(8, 64)
+    assert cap(torch.arange(8), torch.tensor([0, 8]), out=out) is out
+    assert out.abs().sum() > 0
+    with pytest.raises(ValueError, match="expected"):
+        cap(torch.arange(8), torch.tensor([0, 8]), out=torch.zeros(8, 65))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cap(torch.arange(8), torch.tensor([0, 3, 3, 8]))
+
+
+def test_bfloat16_target_returns_bfloat16(model_dir):
+    cap = load_target(model_dir, num_features=2, dtype="bfloat16")
+    assert cap(torch.arange(6), torch.tensor([0, 6])).dtype == torch.bfloat16
+
+
+def test_load_errors_name_the_path(model_dir, tmp_path):
+    with pytest.raises(TargetLoadError, match="does not exist"):
+        load_target(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetLoadError, match=r"no config\.json"):
+        load_target(tmp_path / "empty")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(TargetLoadError, match=r"no_weights: cannot load.*no \*.safetensors"):
+        load_target(no_weights, num_features=2, dtype="float32")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((model_dir / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(TargetLoadError, match=r"broken: cannot load.*model.safetensors"):
+        load_target(broken, num_features=2, dtype="float32")
+    with pytest.raises(TargetLoadError, match=r"layer ids \[1, 6\]"):
+        load_target(model_dir, layer_ids=[1, 6])
+    bad_cfg = tmp_path / "bad_cfg"
+    bad_cfg.mkdir()
+    (bad_cfg / "config.json").write_text(json.dumps({"model_type": "nonexistent-arch"}))
+    with pytest.raises(TargetLoadError, match="not a usable model config"):
+        load_target(bad_cfg)
