@@ -38,6 +38,7 @@ class Hello:
     pid: int
     gpu_uuid: str  # "" on CPU
     resume_seq: int
+    ring_attached: bool = False  # this process holds the ring already: WELCOME need not export it again
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Welcome:
     transport: str  # "cpu" | "cuda"
     num_slots: int
     slot_bytes: int
-    ring: dict[str, Scalar]  # plain values: shm path, or CUDA IPC fields
+    ring: dict[str, Scalar]  # plain values: shm path, or CUDA IPC fields; {} when HELLO said ring_attached
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
 

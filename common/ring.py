@@ -101,6 +101,18 @@ class TensorSpec:
         return cls(name, dtype, tuple(shape), offset)
 
 
+def plan_layout(items: list[tuple[str, str, tuple[int, ...]]]) -> list[TensorSpec]:
+    """Lay (name, dtype, shape) items out one after another at SLOT_ALIGN-aligned offsets."""
+    layout, end = [], 0
+    for name, dtype, shape in items:
+        if dtype not in DTYPES:
+            raise RingError(f"tensor {name!r} has dtype {dtype}, which the ring cannot carry")
+        spec = TensorSpec(name, dtype, tuple(shape), _align(end))
+        layout.append(spec)
+        end = spec.offset + spec.nbytes
+    return layout
+
+
 def layout_to_wire(layout: list[TensorSpec]) -> list[list]:
     return [spec.to_wire() for spec in layout]
 
@@ -278,14 +290,9 @@ class SlotRing:
         """Lay `tensors` out in `slot` (SLOT_ALIGN-aligned, in dict order) and copy them in; CUDA copies are
         asynchronous: call write_event(slot) after the last write and publish once is_written(slot)."""
         self._check_slot(slot)
-        layout, end = [], 0
-        for name, t in tensors.items():
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise RingError(f"tensor {name!r} has dtype {dtype}, which the ring cannot carry")
-            offset = _align(end)
-            layout.append(TensorSpec(name, dtype, tuple(t.shape), offset))
-            end = offset + t.numel() * t.element_size()
+        items = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()]
+        layout = plan_layout(items)
+        end = layout[-1].offset + layout[-1].nbytes if layout else 0
         if end > self.slot_bytes:
             sizes = ", ".join(f"{s.name}={s.nbytes}" for s in layout)
             raise RingError(

@@ -91,7 +91,7 @@ class BatchStream:
         """HELLO → WELCOME → attach the ring (first time only) → ATTACHED."""
         gpu = torch.cuda.get_device_properties(self.device).uuid if self.device.type == "cuda" else ""
         resume = self.resume_seq()
-        self.channel.send(Hello(self.drafter, self.replica, os.getpid(), str(gpu), resume))
+        self.channel.send(Hello(self.drafter, self.replica, os.getpid(), str(gpu), resume, self.ring is not None))
         timeout = self.job.transport.attach_timeout_s
         deadline = time.monotonic() + timeout
         while True:

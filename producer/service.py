@@ -19,7 +19,7 @@ from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig, required_slot_bytes
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
-from common.ring import DTYPES, SlotRing, TensorSpec, layout_to_wire
+from common.ring import DTYPES, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.slot_table import SlotTable
 from producer.delivery import Delivery
 from producer.target import TargetCapture
@@ -51,19 +51,13 @@ class ProducerCounters:
 
 
 def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
-    """Where a packed batch's tensors lie in a slot (aligned); the features come first and largest."""
-    items = [
+    """Where a packed batch's tensors lie in a slot; the features come first and largest."""
+    return plan_layout([
         ("hidden", feature_dtype, (tokens, feature_width)),
         ("input_ids", "int64", (tokens,)),
         ("loss_mask", "uint8", (tokens,)),
         ("cu_seqlens", "int32", (sequences + 1,)),
-    ]
-    layout, offset = [], 0
-    for name, dtype, shape in items:
-        spec = TensorSpec(name, dtype, shape, offset)
-        layout.append(spec)
-        offset = -(-(offset + spec.nbytes) // 256) * 256
-    return layout
+    ])
 
 
 class ProducerService:
@@ -250,8 +244,10 @@ class ProducerService:
             self.channel.send(peer, Fail(str(err.args[0]), fatal=True))
             return
         t = self.job.transport
+        # a CUDA export must be opened exactly once: a process that holds the ring gets none
+        handle = {} if msg.ring_attached else self.ring.handle()
         self.channel.send(peer, Welcome(member.epoch, self.ring.kind, self.ring.num_slots, self.ring.slot_bytes,
-                                        self.ring.handle(), t.heartbeat_interval_s, t.heartbeat_timeout_s))
+                                        handle, t.heartbeat_interval_s, t.heartbeat_timeout_s))
 
     def _fence(self, peer: bytes, reason: str) -> None:
         member = self.delivery.leave(peer)

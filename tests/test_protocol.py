@@ -21,7 +21,7 @@ from common.protocol import (
 )
 
 SAMPLES = [
-    Hello("d0", 1, 4242, "GPU-abc", 17),
+    Hello("d0", 1, 4242, "GPU-abc", 17, True),
     Welcome(3, "cpu", 8, 1 << 20, {"path": "/dev/shm/x", "canary": b"\x00\x01", "size": 9, "ok": True}, 1.0, 5.0),
     Attached(3),
     Batch(3, 99, 2, 1, [("hidden", "bfloat16", [128, 320], 0), ("input_ids", "int64", [128], 81920)], [5, 9, 11], 128, 77),
@@ -49,9 +49,9 @@ def test_wrong_version_unknown_type_and_field_count_rejected():
     with pytest.raises(ProtocolError, match="fields"):
         decode(msgpack.packb([*hello, 1]))
     with pytest.raises(ProtocolError, match="expected int"):
-        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", "1", 1, "", 0]))
+        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", "1", 1, "", 0, False]))
     with pytest.raises(ProtocolError, match="expected int"):
-        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", True, 1, "", 0]))  # bool is not an int here
+        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", True, 1, "", 0, False]))  # bool is not an int here
 
 
 def test_oversized_and_nested_values_rejected():

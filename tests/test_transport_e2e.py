@@ -143,5 +143,5 @@ def test_killed_producer_makes_consumers_exit_nonzero_with_message(job):
             p.kill()
             p.wait()
         # a SIGKILLed producer leaves its ring behind; the next producer of the job removes it (tested in ring tests)
-        for f in Path("/dev/shm").glob(f"dflash-ring-test-{path.parent.name}*"):
-            f.unlink()
+        name = next(li for li in path.read_text().splitlines() if li.startswith("name")).split('"')[1]
+        Path(f"/dev/shm/dflash-ring-test-{name}").unlink(missing_ok=True)
