@@ -29,6 +29,7 @@ from typing import Any
 # Per-key running statistics of a duration, as a list for cheap in-place updates:
 # [count, sum_s, max_s, min_s, recent_max_s]; recent_max_s is the max since the previous snapshot.
 _COUNT, _SUM, _MAX, _MIN, _RECENT = range(5)
+_perf_counter = time.perf_counter  # one global lookup in the hot path instead of two
 MAX_PENDING_CUDA = 4096  # unread CUDA event pairs kept; past this, GPU timings are skipped and counted
 
 
@@ -49,7 +50,7 @@ class ProfileStats:
 
     def timer(self, key: str) -> _Timer:
         """Context manager adding the elapsed host time (perf_counter) to timer `key`."""
-        return _Timer(self, key)
+        return _Timer(self._timers, key)
 
     def add(self, key: str, seconds: float) -> None:
         """Add one duration (seconds) to timer `key`."""
@@ -113,18 +114,18 @@ class ProfileStats:
 
 
 class _Timer:
-    __slots__ = ("_key", "_stats", "_t0")
+    __slots__ = ("_key", "_t0", "_table")
 
-    def __init__(self, stats: ProfileStats, key: str) -> None:
-        self._stats = stats
+    def __init__(self, table: dict[str, list[float]], key: str) -> None:
+        self._table = table
         self._key = key
 
     def __enter__(self) -> _Timer:
-        self._t0 = time.perf_counter()
+        self._t0 = _perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _accumulate(self._stats._timers, self._key, time.perf_counter() - self._t0)
+        _accumulate(self._table, self._key, _perf_counter() - self._t0)
 
 
 def _accumulate(table: dict[str, list[float]], key: str, seconds: float) -> None:

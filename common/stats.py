@@ -116,9 +116,12 @@ class StatsPayload:
         return TOPIC_PREFIX + self.source.encode()
 
 
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(StatsPayload))
+
+
 def encode_stats(p: StatsPayload) -> list[bytes]:
     """[topic, msgpack body]."""
-    body = dataclasses.asdict(p)
+    body = {name: getattr(p, name) for name in _FIELD_NAMES}  # shallow: asdict's deep copy costs ~1 ms
     body["source"] = p.source
     return [p.topic, msgpack.packb(body, use_bin_type=True)]
 
@@ -139,10 +142,10 @@ def decode_stats(frames: list[bytes]) -> StatsPayload:
     if body.get("v") != SCHEMA_VERSION:
         raise StatsDecodeError(f"schema version {body.get('v')!r}, expected {SCHEMA_VERSION}")
     fields = {}
-    for f in dataclasses.fields(StatsPayload):
-        if f.name not in body:
-            raise StatsDecodeError(f"payload lacks key {f.name!r}")
-        fields[f.name] = body[f.name]
+    for name in _FIELD_NAMES:
+        if name not in body:
+            raise StatsDecodeError(f"payload lacks key {name!r}")
+        fields[name] = body[name]
     for key in ("role", "name"):
         if not isinstance(fields[key], str) or not NAME_RE.match(fields[key]):
             raise StatsDecodeError(f"{key} {fields[key]!r} does not match {NAME_RE.pattern}")
@@ -322,6 +325,8 @@ class StatsPublisher:
         return device, self._gpu_uuids[device], {v: int(stats.get(k, 0)) for k, v in CUDA_MEMORY_KEYS.items()}
 
     def _log_line(self, snap: dict[str, Any], step: int | None, now: float, cpu_s: float) -> None:
+        if not self.log.isEnabledFor(logging.INFO):
+            return
         last_mono, last_cpu = self._last_log
         wall = max(now - last_mono, 1e-9)
         line = format_profile_line(snapshot_delta(self._last_snap, snap), wall)

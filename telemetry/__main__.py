@@ -1,0 +1,36 @@
+"""`python -m telemetry --job JOB.toml`: run the telemetry process until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from common.config import ConfigError, load_job
+from telemetry.service import TelemetryService
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-telemetry", description=__doc__)
+    parser.add_argument("--job", required=True, help="job file (TOML)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s telemetry %(levelname)s %(message)s")
+    log = logging.getLogger("dflash.telemetry")
+    try:
+        job = load_job(args.job)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    TelemetryService(job, log).run(stop)
+    log.info("telemetry stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
