@@ -1,0 +1,188 @@
+"""The DFlash training objective on a packed batch (dflash.md §2): anchors, blocks, mask, labels, weights.
+
+Shapes: T packed tokens in `nseq` sequences (cu_seqlens); N anchors per sequence, A = nseq·N anchors,
+B block size, Q = A·B query rows. Anchors are grouped by sequence, sorted, padding ones last.
+Keys are laid out as [T context rows ‖ Q block rows]; one predicate, `DraftBatch.allowed`, decides
+every (query row, key) pair, and both attention paths evaluate that same predicate:
+  - flex: a FlexAttention BlockMask over the full [Q, T+Q] grid (GPU training, sparse);
+  - dense: a boolean SDPA mask per anchor over the only keys a block can ever see,
+    [its sequence's first C context rows ‖ its own B rows] (C = longest sequence); every other key
+    of the full grid is forbidden, so the two are the same mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DenseMask:
+    """SDPA form of the block mask: block a attends to keys key_index[a] of the full [T+Q] key axis,
+    [C context rows of its sequence ‖ its own B block rows], where `allowed` says."""
+
+    key_index: Tensor  # [A, C+B] int64 rows of the full key axis gathered for each anchor
+    allowed: Tensor  # [A, 1, 1, C+B] bool; the same for every row of a block
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """Everything one training step derives from a packed batch; all tensors on the training device."""
+
+    block_size: int
+    num_tokens: int  # T
+    max_seqlen: int  # longest sequence, from the host copy of cu_seqlens
+    token_seq: Tensor  # [T] sequence of each packed token
+    ctx_pos: Tensor  # [T] in-sequence position of each token (its RoPE position)
+    seq_start: Tensor  # [nseq] packed index of each sequence's first token
+    anchor_tok: Tensor  # [A] packed index of each anchor p (its sequence's start for padding anchors)
+    anchor_seq: Tensor  # [A]
+    anchor_valid: Tensor  # [A] bool; padding anchors see nothing and carry no loss
+    block_ids: Tensor  # [Q] [x_p, MASK × (B-1)] per anchor
+    block_pos: Tensor  # [Q] p+k (in-sequence positions)
+    labels: Tensor  # [Q] x[p+k]: NOT shifted; slot k predicts the token at p+k
+    weights: Tensor  # [Q] float32 w_k where slot k carries loss, else 0
+
+    @property
+    def num_anchors(self) -> int:
+        return self.anchor_tok.numel()
+
+    def allowed(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """May query row q_idx see key kv_idx? Keys: [0, T) context rows, [T, T+Q) block rows."""
+        T, B = self.num_tokens, self.block_size
+        a = q_idx // B
+        is_ctx = kv_idx < T
+        j = kv_idx.clamp(0, T - 1)
+        # context: same sequence and strictly before the anchor (its own hidden state is not known yet)
+        ctx_ok = is_ctx & (self.token_seq[j] == self.anchor_seq[a]) & (kv_idx < self.anchor_tok[a])
+        own_block = ~is_ctx & ((kv_idx - T) // B == a)
+        return self.anchor_valid[a] & (ctx_ok | own_block)
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> Tensor:
+    """[B] w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/γ) for k ≥ 1."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+def _host_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> list[int]:
+    cu = [int(x) for x in cu_seqlens.tolist()]  # a host tensor: no device sync
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the token count {num_tokens} with at least one sequence;"
+            f" got {cu[:8]}{'...' if len(cu) > 8 else ''} ({len(cu) - 1} sequences)"
+        )
+    return cu
+
+
+def sample_anchors(
+    loss_mask: Tensor, cu_seqlens: list[int], anchors_per_seq: int, block_size: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """N anchors per sequence, uniformly without replacement among positions p with loss_mask[p]==1
+    and room for a block (p+B ≤ S), sorted; padding anchors (valid False) fill sequences with too few.
+
+    Returns anchor_tok [nseq, N] (packed indices; a padding anchor points at its sequence's start)
+    and valid [nseq, N]. Sync-free: one random key per token, then a stable sort by sequence.
+    """
+    device, T, N = loss_mask.device, loss_mask.numel(), anchors_per_seq
+    nseq = len(cu_seqlens) - 1
+    cu = torch.tensor(cu_seqlens, device=device)
+    lengths = cu[1:] - cu[:-1]  # [nseq]
+    token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
+    pos = torch.arange(T, device=device) - cu[token_seq]
+    candidate = (loss_mask != 0) & (pos + block_size <= lengths[token_seq])  # [T]
+    keys = torch.rand(T, generator=generator, device=device)
+    keys = torch.where(candidate, keys, 2.0)  # non-candidates sort last within their sequence
+    order = torch.argsort(keys, stable=True)
+    order = order[torch.argsort(token_seq[order], stable=True)]  # grouped by sequence, random within
+    n = torch.arange(N, device=device)
+    slot = (cu[:-1, None] + n).clamp(max=max(T - 1, 0))  # [nseq, N] the first N picks of each sequence
+    pick = order[slot]
+    valid = (n < lengths[:, None]) & candidate[pick]
+    sort_key = torch.where(valid, pick, T)  # padding after every real anchor
+    sort_key, perm = sort_key.sort(dim=1)
+    valid = valid.gather(1, perm)
+    anchor_tok = torch.where(valid, sort_key, cu[:-1, None])
+    return anchor_tok, valid
+
+
+def build_draft_batch(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    anchors_per_seq: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    generator: torch.Generator,
+) -> DraftBatch:
+    """Anchors, block inputs, positions, labels and weights of one packed batch (input_ids/loss_mask [T],
+    cu_seqlens [nseq+1] as a HOST tensor: its values size the step)."""
+    device, T, B = input_ids.device, input_ids.numel(), block_size
+    cu_host = _host_cu_seqlens(cu_seqlens, T)
+    anchor_tok, valid = sample_anchors(loss_mask, cu_host, anchors_per_seq, B, generator)
+    nseq = len(cu_host) - 1
+    cu = torch.tensor(cu_host, device=device)
+    lengths = cu[1:] - cu[:-1]
+    token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
+    ctx_pos = torch.arange(T, device=device) - cu[token_seq]
+
+    anchor_seq = torch.arange(nseq, device=device).repeat_interleave(anchors_per_seq)  # [A]
+    anchor_tok, valid = anchor_tok.reshape(-1), valid.reshape(-1)
+    k = torch.arange(B, device=device)
+    anchor_pos = anchor_tok - cu[anchor_seq]  # [A] p in its sequence
+    block_pos = anchor_pos[:, None] + k  # [A, B]
+    label_tok = (anchor_tok[:, None] + k).clamp(max=T - 1)  # [A, B] packed index of x[p+k]
+    in_seq = block_pos < lengths[anchor_seq][:, None]
+    has_loss = valid[:, None] & (k >= 1) & in_seq & (loss_mask[label_tok] != 0)
+    weights = slot_weights(B, gamma, device) * has_loss
+
+    block_ids = torch.full((anchor_tok.numel(), B), mask_token_id, dtype=input_ids.dtype, device=device)
+    block_ids[:, 0] = torch.where(valid, input_ids[anchor_tok], mask_token_id)
+    return DraftBatch(
+        block_size=B,
+        num_tokens=T,
+        max_seqlen=max(b - a for a, b in itertools.pairwise(cu_host)),
+        token_seq=token_seq,
+        ctx_pos=ctx_pos,
+        seq_start=cu[:-1],
+        anchor_tok=anchor_tok,
+        anchor_seq=anchor_seq,
+        anchor_valid=valid,
+        block_ids=block_ids.reshape(-1),
+        block_pos=block_pos.reshape(-1),
+        labels=input_ids[label_tok].reshape(-1),
+        weights=weights.reshape(-1),
+    )
+
+
+def dense_mask(batch: DraftBatch) -> DenseMask:
+    """The block mask for SDPA over each block's reachable keys (see the module docstring)."""
+    device, T, B, A = batch.anchor_tok.device, batch.num_tokens, batch.block_size, batch.num_anchors
+    c = torch.arange(batch.max_seqlen, device=device)
+    # context column c of anchor a is row start+c; columns at or past p fold onto p itself (j == p: forbidden)
+    ctx_index = torch.minimum(batch.seq_start[batch.anchor_seq][:, None] + c, batch.anchor_tok[:, None])
+    block_keys = T + torch.arange(A, device=device)[:, None] * B + torch.arange(B, device=device)
+    kv = torch.cat([ctx_index, block_keys], dim=1)  # [A, C+B] key indices in the full grid
+    q = torch.arange(A, device=device)[:, None] * B  # every row of a block sees the same keys
+    return DenseMask(key_index=kv, allowed=batch.allowed(q, kv)[:, None, None, :])
+
+
+def flex_mask(batch: DraftBatch, block: int = 128):
+    """The block mask as a FlexAttention BlockMask over [Q, T+Q] (tiles of `block`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return batch.allowed(q_idx, kv_idx)
+
+    q_len = batch.num_anchors * batch.block_size
+    device = batch.anchor_tok.device
+    return create_block_mask(
+        mask_mod, None, None, q_len, batch.num_tokens + q_len, device=device, BLOCK_SIZE=block,
+        _compile=device.type == "cuda",  # a compiled builder never holds the dense [Q, T+Q] grid
+    )
+
