@@ -1,0 +1,125 @@
+"""The fused weighted-CE kernel (Triton under TRITON_INTERPRET=1, and its torch fallback), the chunked
+lm_head loss against the full-logits one, and the logged metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from consumer.kernels import weighted_ce
+from consumer.loss import DraftMetrics, chunked_lm_head_loss, full_logits_loss
+
+
+def reference(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    x = logits.float().clone().requires_grad_()
+    ce = F.cross_entropy(x, labels, reduction="none")
+    (ce * weights).sum().backward()
+    return ce.detach(), x.amax(-1).detach(), x.grad
+
+
+def case(R: int = 37, V: int = 700, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(R, V, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, V, (R,), generator=g)
+    weights = torch.rand(R, generator=g)
+    weights[[1, 3]] = 0.0  # rows without loss
+    return logits, labels, weights
+
+
+@pytest.fixture(params=["triton", "torch"])
+def kernel_path(request, monkeypatch):
+    if request.param == "triton":
+        if weighted_ce.triton is None or not weighted_ce.INTERPRET:
+            pytest.skip("Triton interpreter not active (tests/conftest.py sets TRITON_INTERPRET=1)")
+    else:
+        monkeypatch.setattr(weighted_ce, "_use_triton", lambda x: False)
+    return request.param
+
+
+@pytest.mark.parametrize("R,V", [(37, 700), (5, 2048), (64, 96)])
+def test_kernel_forward_and_backward_match_torch(kernel_path, R, V):
+    """V not a multiple of the tile, several tiles, rows past the last program; float32: 1e-5."""
+    logits, labels, weights = case(R, V)
+    ce, mx, grad = reference(logits, labels, weights)
+    buf = logits.clone()
+    lse, tgt, got_max = weighted_ce.weighted_ce_(buf, labels, weights)
+    torch.testing.assert_close(lse - tgt, ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tgt, logits[torch.arange(R), labels])
+    torch.testing.assert_close(got_max, mx)
+    torch.testing.assert_close(buf, grad, rtol=1e-5, atol=1e-6)  # the gradient, in place
+    assert (buf[1] == 0).all() and (buf[3] == 0).all()
+
+
+def test_kernel_in_bfloat16(kernel_path):
+    logits, labels, weights = case(dtype=torch.bfloat16)
+    ce, _, grad = reference(logits, labels, weights)  # the reference upcasts the same bf16 values
+    buf = logits.clone()
+    lse, tgt, _ = weighted_ce.weighted_ce_(buf, labels, weights)
+    torch.testing.assert_close(lse - tgt, ce, rtol=1e-5, atol=1e-5)  # float32 arithmetic inside
+    torch.testing.assert_close(buf.float(), grad, rtol=1e-2, atol=1e-2)  # gradient stored in bf16
+
+
+def test_kernel_without_grad_leaves_logits(kernel_path):
+    logits, labels, weights = case()
+    buf = logits.clone()
+    lse, _, _ = weighted_ce.weighted_ce_(buf, labels, weights, need_grad=False)
+    assert torch.equal(buf, logits)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+
+
+def test_zero_weight_rows_get_exact_zero_gradient_even_when_not_finite(kernel_path):
+    logits, labels, weights = case()
+    logits[3, 5] = float("nan")
+    weighted_ce.weighted_ce_(logits, labels, weights)
+    assert (logits[3] == 0).all() and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 1000])
+def test_chunked_loss_equals_full_logits_loss(chunk):
+    """Σ w·CE and d/d hidden agree with the unchunked loss to float32 rounding (rtol 1e-5, atol 1e-6)."""
+    torch.manual_seed(0)
+    Q, H, V = 50, 16, 300
+    hidden = torch.randn(Q, H, requires_grad=True)
+    lm_head = torch.randn(V, H)
+    labels = torch.randint(0, V, (Q,))
+    weights = torch.rand(Q) * (torch.rand(Q) > 0.3)
+    loss, correct = chunked_lm_head_loss(hidden, lm_head, labels, weights, chunk)
+    (loss * 0.5).backward()  # the stored gradient is scaled by the incoming one
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    ref_loss, ref_correct = full_logits_loss(hidden, lm_head, labels, weights)
+    (ref_loss * 0.5).backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, hidden.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(correct, ref_correct)
+    assert torch.equal(correct, (hidden @ lm_head.T).argmax(-1) == labels)
+
+
+def test_chunked_loss_refuses_a_trainable_lm_head():
+    with pytest.raises(ValueError, match="frozen"):
+        chunked_lm_head_loss(
+            torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.zeros(4, dtype=torch.long),
+            torch.ones(4), 16,
+        )
+
+
+def test_metrics_per_slot_accuracy_and_tau():
+    B = 4
+    m = DraftMetrics(B, torch.device("cpu"))
+    # 3 anchors; slot 0 never has a label. anchor 0: slots 1,2 right, 3 wrong -> 2 leading;
+    # anchor 1: slot 1 right, slot 2 has no label (loss_mask 0) -> 1 leading; anchor 2: padding
+    correct = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool).view(-1)
+    weights = torch.tensor([[0, 1.0, 0.8, 0.6], [0, 1.0, 0.0, 0.6], [0, 0, 0, 0]]).view(-1)
+    valid = torch.tensor([True, True, False])
+    m.add(torch.tensor(3.0), correct, weights, valid)
+    out = m.read()
+    assert out["loss"] == pytest.approx(3.0 / 4.0)
+    assert out["acc_slot_1"] == 1.0
+    assert out["acc_slot_2"] == 1.0  # one labelled slot-2 prediction, right
+    assert out["acc_slot_3"] == 0.5
+    assert out["tau_est"] == pytest.approx(1 + (2 + 1) / 2)
+    empty = m.read()  # the window was reset
+    assert math.isnan(empty["loss"]) and math.isnan(empty["tau_est"])
