@@ -2,8 +2,8 @@
 
 THE CONTRACT (producer/consumer authors: follow it; telemetry derives every figure from it)
 
-Transport: a ZeroMQ socket CONNECTED to the telemetry ingest endpoint
-`job.run_paths.ipc("telemetry-in.sock")` (telemetry binds a SUB there). Two frames per message:
+Transport: a ZeroMQ socket CONNECTED to the telemetry ingest endpoint `ingest_endpoint(job.run_paths)`
+(= run_paths.ipc("telemetry-in.sock"); telemetry binds a SUB there). Two frames per message:
     frame 0  topic  b"stats.<role>.<name>"
     frame 1  msgpack map (encode_stats / decode_stats are the only (de)serialisers):
         v            int    SCHEMA_VERSION
@@ -58,9 +58,11 @@ import msgpack
 import psutil
 import zmq
 
+from common.config import RunPaths
 from common.profile import ProfileStats, format_profile_line, snapshot_delta
 
 SCHEMA_VERSION = 1
+INGEST_SOCKET = "telemetry-in.sock"  # in the run's sockets/ folder
 TOPIC_PREFIX = b"stats."
 MAX_PAYLOAD_BYTES = 1 << 20
 MAX_KEYS = 1024  # per section
@@ -79,6 +81,11 @@ CUDA_MEMORY_KEYS = {
     "num_alloc_retries": "alloc_retries",
     "num_ooms": "ooms",
 }
+
+
+def ingest_endpoint(run_paths: RunPaths) -> str:
+    """Where every StatsPublisher connects and the telemetry process binds."""
+    return run_paths.ipc(INGEST_SOCKET)
 
 
 class StatsDecodeError(ValueError):

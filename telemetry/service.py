@@ -15,20 +15,14 @@ from typing import Any
 import zmq
 
 from common.config import JobConfig
-from common.stats import MAX_PAYLOAD_BYTES, TOPIC_PREFIX, StatsDecodeError, decode_stats
+from common.stats import MAX_PAYLOAD_BYTES, TOPIC_PREFIX, StatsDecodeError, decode_stats, ingest_endpoint
 from telemetry.aggregate import Aggregator, metric_name, source_prefix
 from telemetry.nvml import NvmlSampler
 from telemetry.sinks import JsonlSink, Republisher, WandbSink
 
-INGEST_SOCKET = "telemetry-in.sock"
 REPUBLISH_SOCKET = "telemetry-out.sock"
 MAX_BATCH = 1000  # messages handled before the loop looks at the clock again
 GPU_SKIP = {"index", "uuid", "name", "energy_mj", "last_xid"}  # not plotted per window
-
-
-def ingest_endpoint(job: JobConfig) -> str:
-    """Where every process's StatsPublisher connects."""
-    return job.run_paths.ipc(INGEST_SOCKET)
 
 
 def republish_endpoint(job: JobConfig) -> str:
@@ -47,7 +41,7 @@ class TelemetryService:
         self.ingest.setsockopt(zmq.RCVHWM, 10_000)
         self.ingest.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_PAYLOAD_BYTES)  # a flooding peer is disconnected
         self.ingest.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
-        self.ingest.bind(ingest_endpoint(job))
+        self.ingest.bind(ingest_endpoint(job.run_paths))
         self.republisher = Republisher(self.context, republish_endpoint(job))
         self.jsonl = JsonlSink(paths.metrics_jsonl)
         self.wandb = None
@@ -83,7 +77,9 @@ class TelemetryService:
         poller.register(self.republisher.socket, zmq.POLLIN)
         next_window = self._started + self.cfg.window_s
         self.log.info(
-            "telemetry up: ingest %s, republish %s", ingest_endpoint(self.job), republish_endpoint(self.job)
+            "telemetry up: ingest %s, republish %s",
+            ingest_endpoint(self.job.run_paths),
+            republish_endpoint(self.job),
         )
         try:
             while not stop.is_set():

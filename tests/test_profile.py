@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from common.profile import ProfileStats, format_profile_line, snapshot_delta
+from tests.conftest import requires_cuda
 
 
 def test_timer_totals_count_sum_max_min():
@@ -131,3 +132,19 @@ def test_profile_line_orders_by_total_time_and_reports_share():
 
 def test_profile_line_of_empty_snapshot():
     assert format_profile_line(ProfileStats().snapshot(), wall_s=0.0) == "prof 0.0s"
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_timer_reads_only_completed_events():
+    import torch
+
+    prof = ProfileStats()
+    with prof.cuda_timer("sleep"):
+        torch.cuda._sleep(200_000_000)  # keeps the GPU busy well past the next line
+    prof.collect_cuda()
+    assert "sleep" not in prof.snapshot()["gpu_timers"]  # not finished: not read, not waited for
+    torch.cuda.synchronize()  # the test may wait; collect_cuda never does
+    prof.collect_cuda()
+    t = prof.snapshot()["gpu_timers"]["sleep"]
+    assert t["count"] == 1 and t["sum_s"] > 0

@@ -29,8 +29,7 @@ def worker_main(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     from common.config import load_job
     from common.profile import ProfileStats
-    from common.stats import StatsPublisher
-    from telemetry.service import ingest_endpoint
+    from common.stats import StatsPublisher, ingest_endpoint
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--job")
@@ -40,7 +39,7 @@ def worker_main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     job = load_job(args.job)
     prof = ProfileStats()
-    pub = StatsPublisher(ingest_endpoint(job), args.role, args.name, job.telemetry.interval_s, prof)
+    pub = StatsPublisher(ingest_endpoint(job.run_paths), args.role, args.name, job.telemetry.interval_s, prof)
     deadline = time.monotonic() + 60.0  # never outlive a crashed test
     step = 0
     while not os.path.exists(args.stop_file) and time.monotonic() < deadline:

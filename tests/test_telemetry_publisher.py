@@ -13,6 +13,7 @@ import zmq
 
 from common.profile import ProfileStats
 from common.stats import StatsPublisher, decode_stats
+from tests.conftest import requires_cuda
 
 STALLED_SUBSCRIBER = textwrap.dedent(
     """
@@ -121,3 +122,27 @@ def test_publisher_logs_the_profile_line(endpoint, caplog):
 def test_publisher_rejects_names_outside_the_contract(endpoint):
     with pytest.raises(ValueError, match=r"name 'd0\.r0'"):
         StatsPublisher(endpoint, "consumer", "d0.r0", 1.0, ProfileStats())
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_allocator_figures_travel_with_the_snapshot(endpoint):
+    import torch
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"stats.")
+    sub.bind(endpoint)
+    try:
+        x = torch.empty(1 << 20, device="cuda")  # 4 MiB
+        _, pub = make_publisher(endpoint)
+        sub.poll(200)
+        pub.publish()
+        assert sub.poll(5000)
+        p = decode_stats(sub.recv_multipart())
+        assert p.cuda_memory["allocated_bytes"] >= x.numel() * 4
+        assert p.cuda_memory["reserved_bytes"] >= p.cuda_memory["allocated_bytes"]
+        assert p.gpu_uuid.startswith("GPU-") and p.cuda_device == torch.cuda.current_device()
+        pub.close(final=False)
+    finally:
+        sub.close()
