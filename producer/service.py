@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +31,7 @@ POLL_S = 0.05
 
 class PackedBatch(Protocol):
     seq: int
-    data_epoch: int
+    epoch: int  # pass over the data
     sample_ids: list[int]
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] uint8/bool
@@ -95,7 +95,7 @@ class ProducerService:
         (job.run_paths.sockets / "control.endpoint").write_text(self.channel.endpoint)
         self._stop_reason: str | None = None
         self._ended_peers: set[bytes] = set()
-        self._stream: Iterator[PackedBatch] | None = None
+        self._stream: Generator[PackedBatch, None, None] | None = None
         self._stream_next = -1
         log.info("ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
                  job.transport_kind, t.slots, self.ring.slot_bytes / 2**20, self.channel.endpoint, total_batches)
@@ -131,6 +131,8 @@ class ProducerService:
         """The batch for `seq`, from the tokenizer thread's stream; restarts the stream on a jump (replay)."""
         if self._stream is None or self._stream_next != seq:
             log.info("batch stream starts at seq %d", seq)
+            if self._stream is not None:
+                self._stream.close()  # stops its tokenizer thread
             self._stream = self.batches_from(seq)
         with self._timer("data"):
             batch = next(self._stream)
@@ -163,7 +165,7 @@ class ProducerService:
         num_loss = int(batch.loss_mask.sum()) if batch.loss_mask.device.type == "cpu" else -1
         wire = layout_to_wire(layout)
         for m in members:
-            self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, batch.data_epoch, wire,
+            self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, batch.epoch, wire,
                                             list(batch.sample_ids), int(batch.input_ids.shape[0]), num_loss))
         self.table.publish(slot, batch.seq, [m.peer for m in members])
         self.channel.last_seq = batch.seq
@@ -314,6 +316,8 @@ class ProducerService:
         return 0
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self.channel.close()
         self.ring.close()
 

@@ -24,7 +24,7 @@ WIDTH = 64
 @dataclass
 class FakeBatch:
     seq: int
-    data_epoch: int
+    epoch: int
     sample_ids: list[int]
     input_ids: torch.Tensor
     loss_mask: torch.Tensor

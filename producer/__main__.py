@@ -1,0 +1,112 @@
+"""`python -m producer --job JOB.toml`: the target-forward service.
+`python -m producer regenerate ...`: regenerate a dataset's responses with the target (see --help)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from transformers import AutoTokenizer
+
+from common.config import ConfigError, JobConfig, load_job
+from common.profile import ProfileStats
+from common.ring import RingError
+from common.stats import StatsPublisher
+from producer.data import ChatEncoder, DataError, JsonlDataset
+from producer.plan import BatchPlan
+from producer.prefetch import PackedBatch, Prefetcher
+from producer.service import ProducerService
+from producer.target import TargetLoadError, load_target
+
+log = logging.getLogger("producer")
+
+
+def batch_stream(dataset: JsonlDataset, plan: BatchPlan, depth: int) -> Callable[[int], Iterator[PackedBatch]]:
+    """`batches_from(seq)`: packed batches from `seq` on, tokenized ahead by a background thread."""
+
+    def batches_from(seq: int) -> Iterator[PackedBatch]:
+        with Prefetcher(dataset, plan.batches_from(seq), depth=depth) as prefetcher:
+            while True:
+                try:
+                    batch = prefetcher.get(timeout=30.0)
+                except TimeoutError:
+                    log.warning("the tokenizer thread has not produced a batch for 30 s; still waiting")
+                    continue
+                if batch is None:
+                    return
+                yield batch
+
+    return batches_from
+
+
+def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[JsonlDataset, BatchPlan]:
+    tok_path = job.data.tokenizer or job.target.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{tok_path}: cannot load the tokenizer: {err}") from err
+    start = time.perf_counter()
+    dataset = JsonlDataset(job.data.path, job.data.format, ChatEncoder(tokenizer, job.data.max_length, str(tok_path)))
+    stats = dataset.stats
+    log.info("indexed %s: %d samples, %d tokens, %d truncated, skipped %s (%.1f s)", job.data.path, len(dataset),
+             stats.tokens, stats.truncated, dict(stats.skipped) or "none", time.perf_counter() - start)
+    shards = nnodes if job.data.shard_by_node else 1
+    plan = BatchPlan(dataset.lengths, job.job.seed, job.data.epochs, job.data.tokens_per_batch,
+                     job.data.length_group_window, shard_index=node_rank % shards, shard_count=shards)
+    return dataset, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["regenerate"]:
+        from producer.regenerate import main as regenerate
+
+        return regenerate(argv[1:])
+    ap = argparse.ArgumentParser(prog="dflash-producer", description=__doc__)
+    ap.add_argument("--job", required=True, help="the job file (TOML)")
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--profile-interval", type=float, default=None,
+                    help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
+    try:
+        job = load_job(args.job)
+        job.run_paths.make()
+        if os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
+            shutil.copyfile(args.job, job.run_paths.job_copy)
+        target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
+                             job.target.device, job.target.attn_implementation)
+        dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
+    except (ConfigError, TargetLoadError, DataError) as err:
+        log.error("%s", err)
+        return 2
+    log.info("target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s", job.target.path,
+             target.layers_run, target.num_target_layers, target.layer_ids, target.hidden_size,
+             target.feature_width, job.target.dtype, job.target.device)
+
+    interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
+    prof = ProfileStats() if interval > 0 else None
+    stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", "producer", interval, prof) if prof else None
+    try:
+        service = ProducerService(
+            job, target, batch_stream(dataset, plan, job.data.prefetch_batches), len(plan),
+            ring_name=f"{job.job.name}-n{args.node_rank}", prof=prof, stats=stats,
+        )
+    except (RingError, RuntimeError) as err:  # no room in /dev/shm, the job already running, ...
+        log.error("%s", err)
+        return 2
+    try:
+        return service.run()
+    finally:
+        if stats:
+            stats.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

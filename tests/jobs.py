@@ -1,0 +1,57 @@
+"""Tiny, fully local jobs for integration tests: a BPE tokenizer, a random Qwen3 target, chat data, a job file."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
+
+_ASSETS: dict[str, Path] = {}
+
+
+def tiny_assets(cache_dir: Path) -> Path:
+    """Tokenizer + target + data, built once per test session (about a second)."""
+    key = str(cache_dir)
+    if key not in _ASSETS:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        records = list(synthetic_chats(240, seed=3))
+        tok = train_tokenizer(corpus_texts(records), 400, cache_dir / "tokenizer")
+        build_tiny_target(cache_dir / "target", tok, hidden_size=64, num_layers=6, seed=0)
+        write_jsonl(cache_dir / "train.jsonl", records)
+        _ASSETS[key] = cache_dir
+    return _ASSETS[key]
+
+
+def write_job(assets: Path, *, drafters: str = '[[drafters]]\nname = "d0"\n', extra: str = "",
+              tokens_per_batch: int = 512, epochs: int = 1, name: str = "tiny") -> Path:
+    """A job file in a fresh short run dir under /tmp (ipc paths must stay under 107 characters)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dfj-", dir="/tmp"))
+    job = run_dir / "job.toml"
+    job.write_text(f"""
+[job]
+name = "{name}-{run_dir.name[4:]}"
+run_dir = "{run_dir}"
+seed = 7
+[target]
+path = "{assets / 'target'}"
+dtype = "float32"
+num_features = 3
+[data]
+path = "{assets / 'train.jsonl'}"
+max_length = 256
+tokens_per_batch = {tokens_per_batch}
+epochs = {epochs}
+[transport]
+slots = 4
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 2.0
+attach_timeout_s = 120
+[telemetry]
+interval_s = 0.5
+window_s = 1.0
+wandb_mode = "offline"
+{extra}
+{drafters}
+""")
+    return job
