@@ -116,6 +116,8 @@ def test_prompt_response_format_and_truncation_count(tok, tmp_path):
     ds = JsonlDataset(path, "prompt_response", ChatEncoder(tok, max_length=32))
     assert len(ds) == 2 and ds.stats.truncated == 1
     assert ds.lengths[1] == 32
+    plan = BatchPlan(ds.lengths, seed=0, epochs=1, tokens_per_batch=32, length_group_window=1)
+    assert sorted(i for b in plan.batches_from(0) for i in b.sample_ids) == [0, 1]  # truncated, not dropped
     ids, mask = ds.reader().read(0)
     assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "Because." + EOT[tok.template_name]
 

@@ -50,7 +50,7 @@ def test_packed_batch_equals_full_model_on_the_same_packed_input(model_dir, full
     feats = cap(ids, cu)
     # exact: the full model given the same block-diagonal mask and restarting positions
     seq_idx = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))[None]
-    mask = cap._packed_mask(full_model.get_input_embeddings()(ids[None]), seq_idx)
+    mask = cap.packed_attention_mask(full_model.get_input_embeddings()(ids[None]), seq_idx)
     positions = torch.cat([torch.arange(n) for n in lens])[None]
     assert torch.equal(feats, reference(full_model, ids, cap.layer_ids, mask, positions))
     # independent: each sequence alone gives the same features (up to fp32 reduction order)
@@ -113,3 +113,15 @@ def test_load_errors_name_the_path(model_dir, tmp_path):
     (bad_cfg / "config.json").write_text(json.dumps({"model_type": "nonexistent-arch"}))
     with pytest.raises(TargetLoadError, match="not a usable model config"):
         load_target(bad_cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_cuda_capture_matches_cpu(model_dir, attn):
+    cpu = load_target(model_dir, num_features=3, dtype="float32", attn_implementation=attn)
+    gpu = load_target(model_dir, num_features=3, dtype="float32", device="cuda", attn_implementation=attn)
+    ids, cu = torch.randint(0, 200, (40,)), torch.tensor([0, 7, 40])
+    feats = gpu(ids, cu)
+    assert feats.device.type == "cuda"
+    torch.testing.assert_close(feats.cpu(), cpu(ids, cu), rtol=1e-4, atol=1e-4)
