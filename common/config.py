@@ -308,10 +308,14 @@ def load_job(path: str | Path) -> JobConfig:
 
 
 def dflash_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """The DFlash default: ids[i] = round(1 + i*(N-4)/(n-1)); one feature → [N//2]."""
-    if num_features == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 5:
-        # too shallow for the formula: spread over the layers that exist
-        return sorted({round(i * (num_target_layers - 1) / (num_features - 1)) for i in range(num_features)})
-    return [round(1 + i * (num_target_layers - 4) / (num_features - 1)) for i in range(num_features)]
+    """The DFlash default: ids[i] = round(1 + i*(N-4)/(n-1)); one feature → [N//2].
+
+    A target too shallow for the formula to give distinct ids (tiny test models) gets ids spread evenly.
+    """
+    n_layers, n = num_target_layers, num_features
+    if n == 1:
+        return [n_layers // 2]
+    ids = [round(1 + i * (n_layers - 4) / (n - 1)) for i in range(n)]
+    if len(set(ids)) < n or n_layers < 5:
+        ids = [round(i * (n_layers - 1) / (n - 1)) for i in range(n)]
+    return ids

@@ -81,9 +81,10 @@ class ConsumerService:
 
     def _next_item(self) -> ReceivedBatch | StreamEnd | None:
         start = time.perf_counter()
+        self.stream.last_copy_s = 0.0
         item = self.stream.next(timeout_s=self.idle_timeout_s)
         if self.prof:
-            self.prof.add("wait_batch", time.perf_counter() - start)
+            self.prof.add("wait_batch", time.perf_counter() - start - self.stream.last_copy_s)
         return item
 
     def _train(self, batch: ReceivedBatch) -> None:

@@ -75,6 +75,7 @@ class BatchStream:
         self.epoch = -1
         self.dropped_stale = 0  # batches discarded because this process stalled past the fence bound
         self.reattached = 0
+        self.last_copy_s = 0.0  # copy-out time of the last batch, so callers can tell waiting from copying
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _tcp_endpoint(self) -> str:
@@ -161,9 +162,9 @@ class BatchStream:
             self._reattach("this process stalled past the heartbeat bound")
             return None
         self._release(msg)
+        self.last_copy_s = time.perf_counter() - start
         if self.prof:
-            self.prof.add("copy_out", time.perf_counter() - start)
-            self.prof.count("batches")
+            self.prof.add("copy_out", self.last_copy_s)
         self.channel.last_seq = msg.seq
         return ReceivedBatch(msg.seq, msg.data_epoch, msg.sample_ids, out["hidden"], out["input_ids"],
                              out["loss_mask"], out["cu_seqlens"], received_at)

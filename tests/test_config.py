@@ -88,3 +88,5 @@ def test_dflash_layer_ids_formula():
     assert dflash_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert dflash_layer_ids(32, 5) == [1, 8, 15, 22, 29]
     assert dflash_layer_ids(36, 1) == [18]
+    assert dflash_layer_ids(6, 3) == [1, 2, 3]
+    assert dflash_layer_ids(6, 5) == [0, 1, 2, 4, 5]  # too shallow for the formula: spread, still distinct
