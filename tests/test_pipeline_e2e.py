@@ -1,5 +1,6 @@
 """The real producer and consumer processes on a tiny target: features, training, checkpoints, resume."""
 
+import itertools
 import json
 import os
 import signal
@@ -64,7 +65,7 @@ def test_features_in_the_ring_equal_the_targets_hidden_states(assets, tmp_path):
     assert ids == [1, 2, 3]
     for b in batches:
         cu = b["cu_seqlens"].tolist()
-        for s, e in zip(cu[:-1], cu[1:], strict=True):
+        for s, e in itertools.pairwise(cu):
             with torch.no_grad():
                 hs = model(b["input_ids"][s:e][None], output_hidden_states=True).hidden_states
             want = torch.cat([hs[i + 1][0] for i in ids], dim=-1)
