@@ -1,0 +1,287 @@
+"""dflash-eval: a trained drafter against its target, by real greedy speculative decoding.
+
+    dflash-eval --target TARGET_DIR --drafter CKPT --prompts PROMPTS.jsonl [--limit N] [--json]
+
+CKPT is an exported checkpoint (config.json + model.safetensors) or a checkpoint root holding `latest`.
+Prompts are chat records ({"messages": [...]}, a trailing assistant turn is dropped) or {"prompt": str}.
+For every prompt the target decodes greedily twice, plainly and speculatively; the report gives τ (the
+mean over responses of each response's mean acceptance length, dflash.md §4), its histogram, target
+forwards per generated token and the wall-clock speedup. The two outputs must be equal token for token;
+any difference is a failure and the exit status is 1. With --json the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from consumer.model import DFlashDrafter, DrafterArch
+from consumer.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
+from consumer.target_parts import load_target_parts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DFlashProposer:
+    """The trained DFlash drafter behind the Drafter protocol: one forward drafts B-1 tokens."""
+
+    def __init__(self, model: DFlashDrafter, block_size: int, mask_token_id: int, layer_ids: list[int]):
+        self.model = model.eval()
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.layer_ids = list(layer_ids)
+
+    def propose(self, context_features: Tensor, tokens: Tensor) -> Tensor:
+        block = tokens.new_full((self.block_size,), self.mask_token_id)
+        block[0] = tokens[-1]
+        feats = context_features.to(self.model.fc.weight.dtype)
+        return self.model.draft(feats, block)[1:].argmax(-1)  # [B-1]
+
+
+def resolve_export_dir(path: str | Path) -> Path:
+    """An export directory, or the one a checkpoint root's `latest` names."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(
+                f"drafter checkpoint {path}: no {name} (expected a DFlash export directory)"
+            )
+    return path
+
+
+def load_drafter(
+    ckpt: str | Path, target_path: str | Path, dtype: str = "float32", device: str = "cpu"
+) -> DFlashProposer:
+    """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head."""
+    path = resolve_export_dir(ckpt)
+    cfg = json.loads((path / "config.json").read_text())
+    try:
+        layer_ids = list(cfg["dflash_config"]["target_layer_ids"])
+        mask_token_id = int(cfg["dflash_config"]["mask_token_id"])
+        block_size = int(cfg["block_size"])
+        arch = DrafterArch(
+            hidden_size=int(cfg["hidden_size"]),
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg["head_dim"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_features=len(layer_ids),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=float(cfg["rope_theta"]),
+        )
+    except KeyError as err:
+        raise KeyError(f"{path / 'config.json'}: required field {err.args[0]!r} is missing") from None
+    parts = load_target_parts(target_path, DTYPES[dtype])
+    if parts.hidden_size != arch.hidden_size or parts.vocab_size != int(
+        cfg.get("vocab_size", parts.vocab_size)
+    ):
+        raise ValueError(
+            f"drafter {path} (hidden {arch.hidden_size}, vocab {cfg.get('vocab_size')}) does not fit the target"
+            f" {target_path} (hidden {parts.hidden_size}, vocab {parts.vocab_size})"
+        )
+    model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head)
+    state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
+    model.load_state_dict(state, strict=True)
+    return DFlashProposer(model.to(device), block_size, mask_token_id, layer_ids)
+
+
+def load_target(
+    path: str | Path, layer_ids: list[int], dtype: str = "float32", device: str = "cpu"
+) -> TargetRunner:
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
+    return TargetRunner(model.to(device), layer_ids)
+
+
+def load_prompts(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None
+) -> list[list[int]]:
+    """Prompt ids rendered with the chat template and the generation prompt."""
+    prompts = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "messages" in rec:
+                msgs = rec["messages"]
+                while msgs and msgs[-1]["role"] == "assistant":
+                    msgs = msgs[:-1]
+            elif "prompt" in rec:
+                msgs = [{"role": "user", "content": rec["prompt"]}]
+            else:
+                raise ValueError(f"{path}:{lineno}: a prompt record needs 'messages' or 'prompt'")
+            if not msgs:
+                raise ValueError(f"{path}:{lineno}: no user turn to answer")
+            prompts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False))
+            if limit is not None and len(prompts) == limit:
+                break
+    return prompts
+
+
+@dataclass
+class EvalReport:
+    block_size: int
+    prompts: int
+    generated_tokens: int
+    tau: float  # mean over responses of each response's mean acceptance length
+    tau_histogram: list[int]  # [k-1] = number of steps that accepted k tokens, k = 1..B
+    target_forwards_per_token: float  # speculative; plain greedy is 1.0
+    plain_seconds: float
+    speculative_seconds: float
+    speedup: float  # time per output token, plain ÷ speculative
+    lossless: bool
+    mismatches: list[dict] = field(default_factory=list)  # {prompt, position, plain, speculative}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def evaluate(
+    target: TargetRunner,
+    drafter: Drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    warmup: bool = True,
+) -> EvalReport:
+    """Plain and speculative greedy decoding of every prompt, interleaved so load changes hit both alike."""
+    if not prompts:
+        raise ValueError("evaluate: no prompts")
+    device = next(target.model.parameters()).device
+    ids = [torch.tensor(p, dtype=torch.long, device=device) for p in prompts]
+    if warmup:  # first calls pay for allocator and kernel set-up; keep them out of the timings
+        greedy_generate(target, ids[0], min(8, max_new_tokens), eos_token_id)
+        speculative_generate(target, drafter, ids[0], min(8, max_new_tokens), eos_token_id)
+    B = drafter.block_size
+    hist = [0] * B
+    taus, mismatches = [], []
+    plain_s = spec_s = 0.0
+    tokens = forwards = 0
+    for i, prompt in enumerate(ids):
+        plain = greedy_generate(target, prompt, max_new_tokens, eos_token_id)
+        spec = speculative_generate(target, drafter, prompt, max_new_tokens, eos_token_id)
+        plain_s += plain.seconds
+        spec_s += spec.seconds
+        tokens += len(plain.tokens)
+        forwards += spec.target_forwards
+        for k in spec.accept_lengths:
+            hist[k - 1] += 1
+        if spec.mean_accept is not None:
+            taus.append(spec.mean_accept)
+        pos = _first_difference(plain.tokens, spec.tokens)
+        if pos is not None:
+            mismatches.append(
+                {
+                    "prompt": i,
+                    "position": pos,
+                    "plain": plain.tokens[pos : pos + 8],
+                    "speculative": spec.tokens[pos : pos + 8],
+                }
+            )
+    return EvalReport(
+        block_size=B,
+        prompts=len(ids),
+        generated_tokens=tokens,
+        tau=sum(taus) / len(taus) if taus else 1.0,
+        tau_histogram=hist,
+        target_forwards_per_token=forwards / max(1, tokens),
+        plain_seconds=plain_s,
+        speculative_seconds=spec_s,
+        speedup=plain_s / spec_s if spec_s > 0 else float("nan"),
+        lossless=not mismatches,
+        mismatches=mismatches,
+    )
+
+
+def format_report(r: EvalReport, name: str = "drafter") -> str:
+    peak = max(r.tau_histogram) or 1
+    lines = [
+        f"{name}: block {r.block_size}, {r.prompts} prompts, {r.generated_tokens} tokens",
+        f"  tau (mean acceptance length)   {r.tau:.3f}",
+        f"  target forwards per token      {r.target_forwards_per_token:.3f} (plain greedy: 1.000)",
+        f"  wall clock: plain {r.plain_seconds:.2f}s, speculative {r.speculative_seconds:.2f}s,"
+        f" speedup {r.speedup:.2f}x",
+        f"  lossless                       {'yes' if r.lossless else f'NO: {len(r.mismatches)} mismatch(es)'}",
+        "  acceptance length histogram:",
+    ]
+    lines += [f"    {k + 1:>3} {n:>6} {'#' * round(40 * n / peak)}" for k, n in enumerate(r.tau_histogram)]
+    lines += [f"  mismatch: {m}" for m in r.mismatches[:5]]
+    return "\n".join(lines)
+
+
+def run_eval(
+    target_path: str | Path,
+    drafter_ckpt: str | Path,
+    prompts_path: str | Path,
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> EvalReport:
+    """Load everything from disk and evaluate: what the CLI and the demo run."""
+    drafter = load_drafter(drafter_ckpt, target_path, dtype, device)
+    target = load_target(target_path, drafter.layer_ids, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True)
+    prompts = load_prompts(prompts_path, tokenizer, limit)
+    return evaluate(target, drafter, prompts, max_new_tokens, tokenizer.eos_token_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="target model directory (HF format, local)")
+    ap.add_argument(
+        "--drafter", required=True, help="drafter export directory or checkpoint root with `latest`"
+    )
+    ap.add_argument("--prompts", required=True, help="JSONL of chat records or {'prompt': ...}")
+    ap.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    ap.add_argument("--json", action="store_true", help="print the report as one JSON object, last")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    report = run_eval(
+        args.target,
+        args.drafter,
+        args.prompts,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    print(format_report(report, Path(args.drafter).name), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    if not report.lossless:
+        print(
+            f"dflash-eval: FAILED: speculative output differs from plain greedy on {len(report.mismatches)}"
+            " prompt(s)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
