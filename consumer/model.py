@@ -99,7 +99,9 @@ def attend(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor
     mask: a DenseMask (SDPA per block), a FlexAttention BlockMask over [Q, T+Q], or None (drafting:
     one block that sees every context row and itself).
     """
-    k = torch.cat([k_ctx, k_blk])  # [T+Q, hk, d]: the full key axis
+    dtype = v_ctx.dtype  # under autocast the norms return float32 while v is bf16; flex needs one dtype
+    q = q.to(dtype)
+    k = torch.cat([k_ctx, k_blk]).to(dtype)  # [T+Q, hk, d]: the full key axis
     v = torch.cat([v_ctx, v_blk])
     if isinstance(mask, DenseMask):
         # each block's keys are gathered ([A, C+B] rows: far more than T+Q); recomputing the gather

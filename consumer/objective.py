@@ -68,6 +68,12 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cp
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
+def _on_device(values: list[int], device: torch.device) -> Tensor:
+    """A few host ints on the device without a stream sync (a pinned, non-blocking copy on CUDA)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _host_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> list[int]:
     cu = [int(x) for x in cu_seqlens.tolist()]  # a host tensor: no device sync
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in itertools.pairwise(cu)):
@@ -89,7 +95,7 @@ def sample_anchors(
     """
     device, T, N = loss_mask.device, loss_mask.numel(), anchors_per_seq
     nseq = len(cu_seqlens) - 1
-    cu = torch.tensor(cu_seqlens, device=device)
+    cu = _on_device(cu_seqlens, device)
     lengths = cu[1:] - cu[:-1]  # [nseq]
     token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
     pos = torch.arange(T, device=device) - cu[token_seq]
@@ -126,7 +132,7 @@ def build_draft_batch(
     cu_host = _host_cu_seqlens(cu_seqlens, T)
     anchor_tok, valid = sample_anchors(loss_mask, cu_host, anchors_per_seq, B, generator)
     nseq = len(cu_host) - 1
-    cu = torch.tensor(cu_host, device=device)
+    cu = _on_device(cu_host, device)
     lengths = cu[1:] - cu[:-1]
     token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
     ctx_pos = torch.arange(T, device=device) - cu[token_seq]
