@@ -37,8 +37,15 @@ def make_case(args):
     torch.manual_seed(0)
     H, V, n = args.hidden, args.vocab, 3
     arch = DrafterArch(
-        hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=3 * H,
-        num_layers=args.layers, num_features=n, rms_norm_eps=1e-6, rope_theta=1e6,
+        hidden_size=H,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=3 * H,
+        num_layers=args.layers,
+        num_features=n,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
     )
     embed, lm_head = torch.randn(V, H) * 0.5, torch.randn(V, H) * 0.5
     model = DFlashDrafter(arch, embed, lm_head)
@@ -49,8 +56,14 @@ def make_case(args):
         loss_mask[s * args.seq_len : s * args.seq_len + 32] = 0  # a 32-token prompt per sequence
     cu = torch.arange(args.seqs + 1, dtype=torch.int32) * args.seq_len
     batch = build_draft_batch(
-        input_ids, loss_mask, cu, anchors_per_seq=args.anchors // args.seqs, block_size=args.block,
-        mask_token_id=V - 1, gamma=7.0, generator=torch.Generator().manual_seed(0),
+        input_ids,
+        loss_mask,
+        cu,
+        anchors_per_seq=args.anchors // args.seqs,
+        block_size=args.block,
+        mask_token_id=V - 1,
+        gamma=7.0,
+        generator=torch.Generator().manual_seed(0),
     )
     features = torch.randn(T, n * H)
     return model, batch, dense_mask(batch), features
@@ -107,7 +120,9 @@ def main(argv=None):
     steps = {name: make_step(model, batch, mask, features, fn, opt) for name, fn in losses.items()}
     peaks = {name: peak_bytes(step) for name, step in steps.items()}  # also each variant's warm-up
     adam_state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-    resident = sum(t.numel() * t.element_size() for t in [*model.state_dict().values(), *adam_state, features])
+    resident = sum(
+        t.numel() * t.element_size() for t in [*model.state_dict().values(), *adam_state, features]
+    )
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
@@ -132,14 +147,18 @@ def main(argv=None):
         "layers": args.layers,
         "threads": torch.get_num_threads(),
     }
-    print(f"one step, {T} tokens, {Q} query rows ({batch.num_anchors} anchors × {args.block}), "
-          f"hidden {args.hidden}, vocab {args.vocab}, {args.layers} layer(s), {torch.get_num_threads()} threads")
+    print(
+        f"one step, {T} tokens, {Q} query rows ({batch.num_anchors} anchors × {args.block}), "
+        f"hidden {args.hidden}, vocab {args.vocab}, {args.layers} layer(s), {torch.get_num_threads()} threads"
+    )
     for name in steps:
         print(f"  {name:8s} peak step memory {peaks[name] / 2**20:8.1f} MiB   step {best[name]:6.2f} s")
-    print(f"  peak memory naive/chunked {result['peak_mem_ratio_naive_over_chunked']:.2f}x"
-          f" (with {resident / 2**20:.0f} MiB resident: {result['peak_total_ratio']:.2f}x),"
-          f" step time chunked/naive {result['step_time_ratio_chunked_over_naive']:.3f},"
-          f" {result['drafter_tokens_per_s']:.0f} tokens/s")
+    print(
+        f"  peak memory naive/chunked {result['peak_mem_ratio_naive_over_chunked']:.2f}x"
+        f" (with {resident / 2**20:.0f} MiB resident: {result['peak_total_ratio']:.2f}x),"
+        f" step time chunked/naive {result['step_time_ratio_chunked_over_naive']:.3f},"
+        f" {result['drafter_tokens_per_s']:.0f} tokens/s"
+    )
     if args.json:
         print(json.dumps(result))
     return result

@@ -103,8 +103,12 @@ def save_checkpoint(ckpt_root: str | Path, trainer) -> Path:
     name = f"step_{trainer.step}"
     final = root / name
     config = export_config(
-        trainer.arch, trainer.parts, block_size=trainer.cfg.block_size, mask_token_id=trainer.mask_token_id,
-        target_layer_ids=trainer.target_layer_ids, dtype=trainer.cfg.dtype,
+        trainer.arch,
+        trainer.parts,
+        block_size=trainer.cfg.block_size,
+        mask_token_id=trainer.mask_token_id,
+        target_layer_ids=trainer.target_layer_ids,
+        dtype=trainer.cfg.dtype,
     )
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None

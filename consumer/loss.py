@@ -26,7 +26,9 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(Q, dtype=torch.bool, device=hidden.device)
-        grad_h = torch.empty(Q, hidden.shape[1], dtype=lm_head.dtype, device=hidden.device) if need_grad else None
+        grad_h = (
+            torch.empty(Q, hidden.shape[1], dtype=lm_head.dtype, device=hidden.device) if need_grad else None
+        )
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here
             h = hidden.to(lm_head.dtype)
             for s in range(0, Q, chunk_rows):
@@ -59,7 +61,9 @@ def chunked_lm_head_loss(
     return _ChunkedLMHeadCE.apply(hidden, lm_head, labels, weights.float(), chunk_rows)
 
 
-def full_logits_loss(hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+def full_logits_loss(
+    hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor
+) -> tuple[Tensor, Tensor]:
     """The unchunked reference (materialises [Q, V] logits): tests and the benchmark compare against it."""
     logits = F.linear(hidden.to(lm_head.dtype), lm_head).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
@@ -83,16 +87,20 @@ class DraftMetrics:
         has_label = (weights > 0).view(-1, B)  # [A, B]
         ok = correct.view(-1, B) & has_label
         leading = ok[:, 1:].long().cumprod(dim=1).sum(dim=1)  # [A]
-        self.sums += torch.cat([
-            ok.sum(0).double(),
-            has_label.sum(0).double(),
-            torch.stack([
-                loss_sum.detach().double(),
-                weights.sum().double(),
-                (leading * anchor_valid).sum().double(),
-                anchor_valid.sum().double(),
-            ]),
-        ])
+        self.sums += torch.cat(
+            [
+                ok.sum(0).double(),
+                has_label.sum(0).double(),
+                torch.stack(
+                    [
+                        loss_sum.detach().double(),
+                        weights.sum().double(),
+                        (leading * anchor_valid).sum().double(),
+                        anchor_valid.sum().double(),
+                    ]
+                ),
+            ]
+        )
 
     def read(self) -> dict[str, float]:
         """Synchronises once, returns plain floats and resets the window."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from consumer.objective import DenseMask
@@ -76,8 +77,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @functools.cache
 def _flex_attention(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
-
     # eager flex materialises the scores; compiled it is a fused block-sparse kernel
     return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
 
@@ -93,7 +92,9 @@ def _dense_attend(q: Tensor, k: Tensor, v: Tensor, key_index: Tensor, allowed: T
     return o.transpose(1, 2).reshape(Q, h, d)
 
 
-def attend(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, mask) -> Tensor:
+def attend(
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, mask: DenseMask | BlockMask | None
+) -> Tensor:
     """q [Q, h, d]; k/v_ctx [T, hk, d]; k/v_blk [Q, hk, d] -> [Q, h, d].
 
     mask: a DenseMask (SDPA per block), a FlexAttention BlockMask over [Q, T+Q], or None (drafting:
@@ -188,7 +189,9 @@ class DFlashDrafter(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos()[:, None], emb.sin()[:, None]
 
-    def forward(self, features: Tensor, ctx_pos: Tensor, block_ids: Tensor, block_pos: Tensor, mask) -> Tensor:
+    def forward(
+        self, features: Tensor, ctx_pos: Tensor, block_ids: Tensor, block_pos: Tensor, mask
+    ) -> Tensor:
         """features [T, n·H], ctx_pos [T], block_ids/block_pos [Q] -> final-normed block states [Q, H]."""
         ctx = self.hidden_norm(self.fc(features))  # [T, H], one context for every layer
         x = F.embedding(block_ids, self.embed_tokens)  # [Q, H]

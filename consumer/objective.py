@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 @dataclass(frozen=True)
@@ -84,35 +85,34 @@ def _host_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> list[int]:
     return cu
 
 
-def sample_anchors(
-    loss_mask: Tensor, cu_seqlens: list[int], anchors_per_seq: int, block_size: int, generator: torch.Generator
+def _sample_anchors(
+    loss_mask: Tensor,
+    cu: Tensor,
+    token_seq: Tensor,
+    pos: Tensor,
+    anchors_per_seq: int,
+    block_size: int,
+    generator: torch.Generator,
 ) -> tuple[Tensor, Tensor]:
     """N anchors per sequence, uniformly without replacement among positions p with loss_mask[p]==1
-    and room for a block (p+B ≤ S), sorted; padding anchors (valid False) fill sequences with too few.
+    and room for a block (p+B <= S), sorted; padding anchors (valid False) fill sequences with too few.
 
     Returns anchor_tok [nseq, N] (packed indices; a padding anchor points at its sequence's start)
     and valid [nseq, N]. Sync-free: one random key per token, then a stable sort by sequence.
     """
-    device, T, N = loss_mask.device, loss_mask.numel(), anchors_per_seq
-    nseq = len(cu_seqlens) - 1
-    cu = _on_device(cu_seqlens, device)
+    T, N = loss_mask.numel(), anchors_per_seq
     lengths = cu[1:] - cu[:-1]  # [nseq]
-    token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
-    pos = torch.arange(T, device=device) - cu[token_seq]
     candidate = (loss_mask != 0) & (pos + block_size <= lengths[token_seq])  # [T]
-    keys = torch.rand(T, generator=generator, device=device)
+    keys = torch.rand(T, generator=generator, device=loss_mask.device)
     keys = torch.where(candidate, keys, 2.0)  # non-candidates sort last within their sequence
     order = torch.argsort(keys, stable=True)
     order = order[torch.argsort(token_seq[order], stable=True)]  # grouped by sequence, random within
-    n = torch.arange(N, device=device)
-    slot = (cu[:-1, None] + n).clamp(max=max(T - 1, 0))  # [nseq, N] the first N picks of each sequence
-    pick = order[slot]
+    n = torch.arange(N, device=cu.device)
+    pick = order[(cu[:-1, None] + n).clamp(max=T - 1)]  # [nseq, N] the first N picks of each sequence
     valid = (n < lengths[:, None]) & candidate[pick]
-    sort_key = torch.where(valid, pick, T)  # padding after every real anchor
-    sort_key, perm = sort_key.sort(dim=1)
+    sort_key, perm = torch.where(valid, pick, T).sort(dim=1)  # padding after every real anchor
     valid = valid.gather(1, perm)
-    anchor_tok = torch.where(valid, sort_key, cu[:-1, None])
-    return anchor_tok, valid
+    return torch.where(valid, sort_key, cu[:-1, None]), valid
 
 
 def build_draft_batch(
@@ -126,22 +126,21 @@ def build_draft_batch(
     gamma: float,
     generator: torch.Generator,
 ) -> DraftBatch:
-    """Anchors, block inputs, positions, labels and weights of one packed batch (input_ids/loss_mask [T],
-    cu_seqlens [nseq+1] as a HOST tensor: its values size the step)."""
+    """Anchors (resampled from `generator` at every call), block inputs, positions, labels and weights
+    of one packed batch: input_ids/loss_mask [T], cu_seqlens [nseq+1] as a HOST tensor (it sizes the step)."""
     device, T, B = input_ids.device, input_ids.numel(), block_size
     cu_host = _host_cu_seqlens(cu_seqlens, T)
-    anchor_tok, valid = sample_anchors(loss_mask, cu_host, anchors_per_seq, B, generator)
     nseq = len(cu_host) - 1
     cu = _on_device(cu_host, device)
     lengths = cu[1:] - cu[:-1]
     token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
-    ctx_pos = torch.arange(T, device=device) - cu[token_seq]
+    ctx_pos = torch.arange(T, device=device) - cu[token_seq]  # [T] position in its sequence
+    anchor_tok, valid = _sample_anchors(loss_mask, cu, token_seq, ctx_pos, anchors_per_seq, B, generator)
 
     anchor_seq = torch.arange(nseq, device=device).repeat_interleave(anchors_per_seq)  # [A]
     anchor_tok, valid = anchor_tok.reshape(-1), valid.reshape(-1)
     k = torch.arange(B, device=device)
-    anchor_pos = anchor_tok - cu[anchor_seq]  # [A] p in its sequence
-    block_pos = anchor_pos[:, None] + k  # [A, B]
+    block_pos = (anchor_tok - cu[anchor_seq])[:, None] + k  # [A, B] positions p+k
     label_tok = (anchor_tok[:, None] + k).clamp(max=T - 1)  # [A, B] packed index of x[p+k]
     in_seq = block_pos < lengths[anchor_seq][:, None]
     has_loss = valid[:, None] & (k >= 1) & in_seq & (loss_mask[label_tok] != 0)
@@ -178,9 +177,8 @@ def dense_mask(batch: DraftBatch) -> DenseMask:
     return DenseMask(key_index=kv, allowed=batch.allowed(q, kv)[:, None, None, :])
 
 
-def flex_mask(batch: DraftBatch, block: int = 128):
+def flex_mask(batch: DraftBatch, block: int = 128) -> BlockMask:
     """The block mask as a FlexAttention BlockMask over [Q, T+Q] (tiles of `block`)."""
-    from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
         return batch.allowed(q_idx, kv_idx)
@@ -188,7 +186,12 @@ def flex_mask(batch: DraftBatch, block: int = 128):
     q_len = batch.num_anchors * batch.block_size
     device = batch.anchor_tok.device
     return create_block_mask(
-        mask_mod, None, None, q_len, batch.num_tokens + q_len, device=device, BLOCK_SIZE=block,
+        mask_mod,
+        None,
+        None,
+        q_len,
+        batch.num_tokens + q_len,
+        device=device,
+        BLOCK_SIZE=block,
         _compile=device.type == "cuda",  # a compiled builder never holds the dense [Q, T+Q] grid
     )
-

@@ -39,7 +39,9 @@ class TargetParts:
 def _read_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"target directory {path}: no config.json (is this a Hugging Face model dir?)")
+        raise FileNotFoundError(
+            f"target directory {path}: no config.json (is this a Hugging Face model dir?)"
+        )
     try:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as err:
@@ -51,7 +53,9 @@ def _rope_theta(cfg: dict, cfg_file: Path) -> float:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"{cfg_file}: rope type {rope_type!r} is not supported (the drafter uses default RoPE)")
+        raise ValueError(
+            f"{cfg_file}: rope type {rope_type!r} is not supported (the drafter uses default RoPE)"
+        )
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ValueError(f"{cfg_file}: neither rope_parameters.rope_theta nor rope_theta is set")

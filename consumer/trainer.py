@@ -71,7 +71,8 @@ class Trainer:
         self.target_layer_ids = list(target_layer_ids)
         self.seed = cfg.seed if cfg.seed is not None else job_seed
         on_cuda = self.device.type == "cuda"
-        self.autocast_dtype = getattr(torch, cfg.dtype) if on_cuda else None  # CPU trains in float32
+        # bf16/fp16 autocast on CUDA; float32 (no autocast) on the CPU or when asked for
+        self.autocast_dtype = getattr(torch, cfg.dtype) if on_cuda and cfg.dtype != "float32" else None
         attention = cfg.attention if cfg.attention != "auto" else ("flex" if on_cuda else "sdpa")
         if attention == "flex" and not on_cuda:
             raise ValueError(
@@ -95,7 +96,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             functools.partial(
-                lr_factor, total_steps=cfg.total_steps, warmup_frac=cfg.warmup_frac, min_lr_ratio=cfg.min_lr_ratio
+                lr_factor,
+                total_steps=cfg.total_steps,
+                warmup_frac=cfg.warmup_frac,
+                min_lr_ratio=cfg.min_lr_ratio,
             ),
         )
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
@@ -123,7 +127,9 @@ class Trainer:
     def warmup(self, triton_cache_dir=None) -> None:
         """Compile/autotune the loss kernels for the training chunk before the first timed step."""
         rows = min(self.cfg.loss_chunk_rows, self.cfg.anchors_per_seq * self.cfg.block_size)
-        weighted_ce.warmup(self.parts.vocab_size, rows, self.parts.lm_head.dtype, self.device, triton_cache_dir)
+        weighted_ce.warmup(
+            self.parts.vocab_size, rows, self.parts.lm_head.dtype, self.device, triton_cache_dir
+        )
 
     def train_batch(
         self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, seq: int
@@ -146,9 +152,14 @@ class Trainer:
             if self.autocast_dtype is None:
                 hidden = hidden.float()
             batch = build_draft_batch(
-                input_ids, loss_mask, cu_seqlens.cpu(),
-                anchors_per_seq=cfg.anchors_per_seq, block_size=cfg.block_size,
-                mask_token_id=self.mask_token_id, gamma=cfg.loss_gamma, generator=self.generator,
+                input_ids,
+                loss_mask,
+                cu_seqlens.cpu(),
+                anchors_per_seq=cfg.anchors_per_seq,
+                block_size=cfg.block_size,
+                mask_token_id=self.mask_token_id,
+                gamma=cfg.loss_gamma,
+                generator=self.generator,
             )
             mask = flex_mask(batch) if self.use_flex else dense_mask(batch)
         with self._timer("forward"), self._autocast():
@@ -164,7 +175,7 @@ class Trainer:
         self._pending_tokens += T
         if self.prof:
             self.prof.count("tokens", T)
-            self.prof.count("anchors", batch.num_anchors)
+            self.prof.count("anchors", batch.num_anchors)  # anchor slots, padding included (no sync)
             self.prof.count("batches", 1)
         if cfg.tokens_per_step and self._pending_tokens < cfg.tokens_per_step:
             return None
@@ -183,9 +194,18 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         nf, b = self._nonfinite, bad.long()
-        run = (nf[1] + 1) * b
-        first = torch.where(run == 1, seq, nf[3])
-        self._nonfinite.copy_(torch.stack([nf[0] + b, run, torch.maximum(nf[2], run), first, torch.where(bad, seq, nf[4])]))
+        run = (nf[1] + 1) * b  # consecutive skipped steps, 0 after a good one
+        self._nonfinite.copy_(
+            torch.stack(
+                [
+                    nf[0] + b,
+                    run,
+                    torch.maximum(nf[2], run),
+                    torch.where(run == 1, seq, nf[3]),  # first seq of the current run
+                    torch.where(bad, seq, nf[4]),  # latest skipped seq
+                ]
+            )
+        )
         self._pending_loss.zero_()
         self._pending_weight.zero_()
         self.step += 1
@@ -202,7 +222,10 @@ class Trainer:
             log.warning(
                 "drafter %s: skipped %d optimizer step(s) with a non-finite loss or gradient since the last"
                 " log (%d in all), the latest at batch seq %d",
-                self.cfg.name, skipped - self._nonfinite_logged, skipped, last_bad,
+                self.cfg.name,
+                skipped - self._nonfinite_logged,
+                skipped,
+                last_bad,
             )
             self._nonfinite_logged = skipped
         if longest >= self.cfg.max_nonfinite_steps:
@@ -228,23 +251,27 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-for-bit, as of the last completed step
         (batches accumulated since then are not in it: resume replays them from last_seq + 1)."""
-        return _cpu_copy({
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": self._rng_at_step,
-            "last_seq": self.last_seq,
-            "step": self.step,
-            "tokens": self.tokens,
-            "nonfinite_skipped": int(self._nonfinite[0]),
-            "block_size": self.cfg.block_size,
-            "target_layer_ids": list(self.target_layer_ids),
-        })
+        return _cpu_copy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": self._rng_at_step,
+                "last_seq": self.last_seq,
+                "step": self.step,
+                "tokens": self.tokens,
+                "nonfinite_skipped": int(self._nonfinite[0]),
+                "block_size": self.cfg.block_size,
+                "target_layer_ids": list(self.target_layer_ids),
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("block_size", self.cfg.block_size), ("target_layer_ids", self.target_layer_ids)):
             if state[key] != mine:
-                raise ValueError(f"drafter {self.cfg.name}: checkpoint has {key}={state[key]}, this job has {mine}")
+                raise ValueError(
+                    f"drafter {self.cfg.name}: checkpoint has {key}={state[key]}, this job has {mine}"
+                )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))  # never shares the caller's tensors
         self.scheduler.load_state_dict(state["scheduler"])

@@ -33,7 +33,12 @@ def test_export_keys_shapes_and_config(trained, tmp_path):
     trainer, _ = trained
     ckpt = save_checkpoint(tmp_path, trainer)
     assert ckpt == tmp_path / "step_2" and (tmp_path / "latest").read_text().strip() == "step_2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "dflash.py", "model.safetensors", "trainer_state.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "config.json",
+        "dflash.py",
+        "model.safetensors",
+        "trainer_state.pt",
+    ]
     H, n, inter, d = 64, 3, 128, 16
     want = {"fc.weight": [H, n * H], "hidden_norm.weight": [H], "norm.weight": [H]}
     for i in range(2):
@@ -81,14 +86,20 @@ def _automodel_logits(path, trainer, features, block):
 def test_automodel_gives_the_trainers_logits(trained, tmp_path):
     trainer, (features, ids, _, _) = trained
     cfg = export_config(
-        trainer.arch, trainer.parts, block_size=4, mask_token_id=trainer.mask_token_id,
-        target_layer_ids=LAYER_IDS, dtype="float32",
+        trainer.arch,
+        trainer.parts,
+        block_size=4,
+        mask_token_id=trainer.mask_token_id,
+        target_layer_ids=LAYER_IDS,
+        dtype="float32",
     )
     write_export(tmp_path, trainer.model.state_dict(), cfg)
     S = 20  # draft for the anchor at position 20 of the first sequence
     block = torch.tensor([int(ids[S])] + [trainer.mask_token_id] * 3)
     want = trainer.model.draft(features[:S], block)
-    torch.testing.assert_close(_automodel_logits(tmp_path, trainer, features[:S], block), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _automodel_logits(tmp_path, trainer, features[:S], block), want, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_published_bf16_checkpoint_loads_with_automodel(trained, tmp_path):

@@ -10,8 +10,14 @@ import transformers
 from common.config import DrafterConfig
 
 TINY = dict(
-    hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=256,
     initializer_range=0.2,  # sharper logits than 0.02, like a trained target's
 )
 LAYER_IDS = [1, 3, 5]
@@ -52,7 +58,15 @@ def distinct_seqs(lengths: list[int], vocab: int = 500, seed: int = 1) -> list[t
 
 def drafter_cfg(**overrides) -> DrafterConfig:
     base = dict(
-        name="d0", block_size=4, num_layers=1, anchors_per_seq=8, loss_chunk_rows=256, lr=1e-2,
-        warmup_frac=0.0, total_steps=1000, log_every=1, seed=0,
+        name="d0",
+        block_size=4,
+        num_layers=1,
+        anchors_per_seq=8,
+        loss_chunk_rows=256,
+        lr=1e-2,
+        warmup_frac=0.0,
+        total_steps=1000,
+        log_every=1,
+        seed=0,
     )
     return DrafterConfig(**{**base, **overrides})

@@ -50,7 +50,13 @@ def test_flex_and_dense_agree_forward_and_backward_on_gpu():
     loss_mask = (torch.rand(T, device="cuda") > 0.2).to(torch.uint8)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     batch = build_draft_batch(
-        ids, loss_mask, cu, anchors_per_seq=9, block_size=8, mask_token_id=255, gamma=4.0,
+        ids,
+        loss_mask,
+        cu,
+        anchors_per_seq=9,
+        block_size=8,
+        mask_token_id=255,
+        gamma=4.0,
         generator=torch.Generator(device="cuda").manual_seed(0),
     )
     features = torch.randn(T, 2 * 64, device="cuda")

@@ -101,8 +101,11 @@ def test_chunked_loss_equals_full_logits_loss(chunk):
 def test_chunked_loss_refuses_a_trainable_lm_head():
     with pytest.raises(ValueError, match="frozen"):
         chunked_lm_head_loss(
-            torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.zeros(4, dtype=torch.long),
-            torch.ones(4), 16,
+            torch.randn(4, 8),
+            torch.randn(16, 8, requires_grad=True),
+            torch.zeros(4, dtype=torch.long),
+            torch.ones(4),
+            16,
         )
 
 

@@ -23,9 +23,17 @@ def target(tmp_path_factory):
 def test_target_parts_reads_config_and_frozen_tensors(target):
     path, model = target
     parts = load_target_parts(path)
-    assert (parts.hidden_size, parts.num_attention_heads, parts.num_key_value_heads, parts.head_dim) == (64, 4, 2, 16)
+    assert (parts.hidden_size, parts.num_attention_heads, parts.num_key_value_heads, parts.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
     assert (parts.intermediate_size, parts.vocab_size, parts.num_hidden_layers) == (128, 512, 6)
-    assert parts.max_position_embeddings == 256 and parts.rope_theta == model.config.rope_parameters["rope_theta"]
+    assert (
+        parts.max_position_embeddings == 256
+        and parts.rope_theta == model.config.rope_parameters["rope_theta"]
+    )
     assert parts.rms_norm_eps == model.config.rms_norm_eps
     assert torch.equal(parts.embed_tokens, model.model.embed_tokens.weight)
     assert torch.equal(parts.lm_head, model.lm_head.weight)
@@ -50,7 +58,9 @@ def test_target_parts_errors_name_the_place(tmp_path):
         load_target_parts(tmp_path / "nowhere")
     (tmp_path / "cfg_only").mkdir()
     (tmp_path / "cfg_only" / "config.json").write_text(json.dumps({**TINY, "rope_theta": 1e4}))
-    with pytest.raises(FileNotFoundError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"):
+    with pytest.raises(
+        FileNotFoundError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"
+    ):
         load_target_parts(tmp_path / "cfg_only")
     (tmp_path / "cfg_bad").mkdir()
     (tmp_path / "cfg_bad" / "config.json").write_text(json.dumps({"hidden_size": 8}))
@@ -106,7 +116,13 @@ def test_training_rows_of_an_anchor_equal_drafting_at_that_anchor():
     loss_mask = torch.ones(sum(lengths), dtype=torch.uint8)
     cu = torch.tensor([0, 30, 52])
     batch = build_draft_batch(
-        ids, loss_mask, cu, anchors_per_seq=5, block_size=4, mask_token_id=511, gamma=4.0,
+        ids,
+        loss_mask,
+        cu,
+        anchors_per_seq=5,
+        block_size=4,
+        mask_token_id=511,
+        gamma=4.0,
         generator=torch.Generator().manual_seed(0),
     )
     features = torch.randn(sum(lengths), 3 * 64)

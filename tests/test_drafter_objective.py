@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from consumer.model import DFlashDrafter, DrafterArch
-from consumer.objective import build_draft_batch, dense_mask, flex_mask, sample_anchors, slot_weights
+from consumer.objective import build_draft_batch, dense_mask, flex_mask, slot_weights
 
 MASK = 99
 B = 3
@@ -22,10 +22,20 @@ def hand_batch(seed: int = 0):
     input_ids = torch.tensor([10, 11, 12, 13, 14, 15, 20, 21, 22, 23])
     loss_mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 0, 1], dtype=torch.uint8)
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
-    return build_draft_batch(
-        input_ids, loss_mask, cu, anchors_per_seq=4, block_size=B, mask_token_id=MASK, gamma=2.0,
-        generator=torch.Generator().manual_seed(seed),
-    ), input_ids, loss_mask
+    return (
+        build_draft_batch(
+            input_ids,
+            loss_mask,
+            cu,
+            anchors_per_seq=4,
+            block_size=B,
+            mask_token_id=MASK,
+            gamma=2.0,
+            generator=torch.Generator().manual_seed(seed),
+        ),
+        input_ids,
+        loss_mask,
+    )
 
 
 # (sequence, p in the sequence, packed index of p) per anchor; None: padding
@@ -116,31 +126,53 @@ def test_anchor_sampling_rules_and_resampling():
     T = sum(lengths)
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     loss_mask = (torch.rand(T) > 0.3).to(torch.uint8)
-    gen = torch.Generator().manual_seed(0)
+    ids = torch.arange(T)
     N, Bs = 6, 4
-    draws = [sample_anchors(loss_mask, cu, N, Bs, gen) for _ in range(20)]
+
+    def draw(gen):
+        batch = build_draft_batch(
+            ids,
+            loss_mask,
+            torch.tensor(cu),
+            anchors_per_seq=N,
+            block_size=Bs,
+            mask_token_id=0,
+            gamma=1.0,
+            generator=gen,
+        )
+        return batch.anchor_tok.view(-1, N), batch.anchor_valid.view(-1, N)
+
+    gen = torch.Generator().manual_seed(0)
+    draws = [draw(gen) for _ in range(20)]
+    cands = [
+        [p for p in range(cu[s], cu[s + 1]) if loss_mask[p] and p - cu[s] + Bs <= lengths[s]]
+        for s in range(4)
+    ]
     seen = set()
     for tok, valid in draws:
         for s in range(len(lengths)):
-            cands = [p for p in range(cu[s], cu[s + 1]) if loss_mask[p] and p - cu[s] + Bs <= lengths[s]]
             picked = tok[s][valid[s]].tolist()
-            assert len(picked) == min(N, len(cands))  # without replacement, padding only when too few
-            assert picked == sorted(set(picked)) and set(picked) <= set(cands)
+            assert len(picked) == min(N, len(cands[s]))  # without replacement, padding only when too few
+            assert picked == sorted(set(picked)) and set(picked) <= set(cands[s])
             assert valid[s].tolist() == [True] * len(picked) + [False] * (N - len(picked))  # padding last
             seen.update(picked)
-    all_cands = {p for s in range(4) for p in range(cu[s], cu[s + 1]) if loss_mask[p] and p - cu[s] + Bs <= lengths[s]}
-    assert seen == all_cands  # resampled every call: every candidate shows up
+    assert seen == {p for c in cands for p in c}  # resampled every call: every candidate shows up
     assert not torch.equal(draws[0][0], draws[1][0])
-    again = sample_anchors(loss_mask, cu, N, Bs, torch.Generator().manual_seed(0))
-    assert torch.equal(again[0], draws[0][0])  # the generator alone decides
+    assert torch.equal(draw(torch.Generator().manual_seed(0))[0], draws[0][0])  # the generator decides
 
 
 def test_bad_cu_seqlens_is_a_clear_error():
     ids = torch.zeros(10, dtype=torch.long)
     with pytest.raises(ValueError, match="cu_seqlens"):
         build_draft_batch(
-            ids, torch.ones(10), torch.tensor([0, 4, 9]), anchors_per_seq=2, block_size=2, mask_token_id=0,
-            gamma=1.0, generator=torch.Generator(),
+            ids,
+            torch.ones(10),
+            torch.tensor([0, 4, 9]),
+            anchors_per_seq=2,
+            block_size=2,
+            mask_token_id=0,
+            gamma=1.0,
+            generator=torch.Generator(),
         )
 
 
@@ -155,7 +187,13 @@ def test_flex_and_dense_attention_give_the_same_output():
     loss_mask = (torch.rand(Tn) > 0.2).to(torch.uint8)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     batch = build_draft_batch(
-        ids, loss_mask, cu, anchors_per_seq=7, block_size=4, mask_token_id=127, gamma=4.0,
+        ids,
+        loss_mask,
+        cu,
+        anchors_per_seq=7,
+        block_size=4,
+        mask_token_id=127,
+        gamma=4.0,
         generator=torch.Generator().manual_seed(3),
     )
     assert not batch.anchor_valid.all()  # the 5-token sequence has padding blocks

@@ -40,8 +40,17 @@ def test_overfits_one_batch(setup):
     assert last < 0.1 * first, (first, last)
     assert acc1 > 0.9, acc1
     assert history[-1]["tau_est"] > 3.0  # B = 4: most blocks fully right
-    assert set(history[-1]) >= {"loss", "lr", "grad_norm", "acc_slot_1", "acc_slot_3", "tau_est", "tokens",
-                                "steps", "nonfinite_skipped"}
+    assert set(history[-1]) >= {
+        "loss",
+        "lr",
+        "grad_norm",
+        "acc_slot_1",
+        "acc_slot_3",
+        "tau_est",
+        "tokens",
+        "steps",
+        "nonfinite_skipped",
+    }
     assert all(type(v) is float for v in history[-1].values())
 
 
@@ -100,7 +109,9 @@ def test_resume_is_bit_identical(setup, tmp_path):
     assert resumed.last_seq == 2 and resumed.step == 3
     got += run(resumed, range(3, 6))
     assert got == want
-    for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+    for (k, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), k
     sa, sb = straight.optimizer.state_dict(), resumed.optimizer.state_dict()
     for i in sa["state"]:
@@ -123,7 +134,10 @@ def test_state_is_that_of_the_last_completed_step(setup):
     for s in (2, 3):
         replay.train_batch(*batch, seq=s)
     trainer.train_batch(*batch, seq=3)
-    assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), replay.model.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(trainer.model.state_dict().values(), replay.model.state_dict().values(), strict=True)
+    )
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(setup, caplog):

@@ -114,7 +114,9 @@ class DFlashDraftModel(PreTrainedModel):
         attn = self.layers[0].self_attn
         rope = getattr(self.config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(self.config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, attn.d, 2, dtype=torch.float32, device=position_ids.device) / attn.d))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, attn.d, 2, dtype=torch.float32, device=position_ids.device) / attn.d)
+        )
         freqs = position_ids.float()[..., None] * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos()[:, None], emb.sin()[:, None]

@@ -41,8 +41,16 @@ if triton is not None:
     @triton.autotune(configs=_configs(), key=["V"], cache_results=not INTERPRET)
     @triton.jit
     def _ce_fwd_kernel(
-        x_ptr, labels_ptr, lse_ptr, tgt_ptr, max_ptr, R, V, stride_x,
-        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+        x_ptr,
+        labels_ptr,
+        lse_ptr,
+        tgt_ptr,
+        max_ptr,
+        R,
+        V,
+        stride_x,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
@@ -65,8 +73,17 @@ if triton is not None:
     @triton.autotune(configs=_configs(), key=["V"], restore_value=["x_ptr"], cache_results=not INTERPRET)
     @triton.jit
     def _ce_bwd_kernel(
-        x_ptr, g_ptr, labels_ptr, lse_ptr, w_ptr, R, V, stride_x, stride_g,
-        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+        x_ptr,
+        g_ptr,
+        labels_ptr,
+        lse_ptr,
+        w_ptr,
+        R,
+        V,
+        stride_x,
+        stride_g,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
@@ -80,7 +97,11 @@ if triton is not None:
             p = tl.exp(x.to(tl.float32) - lse[:, None])
             g = (p - tl.where(cols[None, :] == label[:, None], 1.0, 0.0)) * w[:, None]
             g = tl.where(w[:, None] == 0.0, 0.0, g)  # rows without loss are exactly zero
-            tl.store(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=ok)
+            tl.store(
+                g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :],
+                g.to(g_ptr.dtype.element_ty),
+                mask=ok,
+            )
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -91,7 +112,9 @@ def _grid(R: int):
     return lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)
 
 
-def weighted_ce_(logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def weighted_ce_(
+    logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """logits [R, V] (rows contiguous), labels [R], weights [R] -> lse, target logit, max logit ([R] float32).
 
     With need_grad the logits are overwritten by d(Σ w·(lse - target))/d logits = w·(softmax - onehot)
@@ -128,7 +151,9 @@ def _weighted_ce_torch_(logits: Tensor, labels: Tensor, weights: Tensor, need_gr
     return lse, tgt, mx
 
 
-def warmup(vocab_size: int, rows: int, dtype: torch.dtype, device: torch.device, cache_dir: Path | None) -> None:
+def warmup(
+    vocab_size: int, rows: int, dtype: torch.dtype, device: torch.device, cache_dir: Path | None
+) -> None:
     """Compile and autotune both kernels for the training chunk shape before the first timed step,
     with the Triton cache in `cache_dir` (the run folder) so restarts reuse it. No-op off CUDA."""
     if device.type != "cuda" or triton is None:
