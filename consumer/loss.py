@@ -35,7 +35,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                 e = min(s + chunk_rows, Q)
                 logits = h[s:e] @ lm_head.T  # [r, V]: the only logits alive
                 lse, tgt, mx = weighted_ce_(logits, labels[s:e], weights[s:e], need_grad)
-                loss += (weights[s:e] * (lse - tgt)).sum()
+                w = weights[s:e]
+                loss += torch.where(w != 0, w * (lse - tgt), 0.0).sum()  # rows without loss never add NaN
                 correct[s:e] = tgt >= mx
                 if need_grad:  # logits now hold w·(softmax - onehot)
                     torch.matmul(logits, lm_head, out=grad_h[s:e])  # [r, H]

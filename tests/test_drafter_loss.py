@@ -126,3 +126,15 @@ def test_metrics_per_slot_accuracy_and_tau():
     assert out["tau_est"] == pytest.approx(1 + (2 + 1) / 2)
     empty = m.read()  # the window was reset
     assert math.isnan(empty["loss"]) and math.isnan(empty["tau_est"])
+
+
+def test_rows_without_loss_cannot_poison_the_loss():
+    """A padding row whose hidden state is not finite adds nothing (value or gradient)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 8)
+    hidden[2] = float("nan")
+    hidden.requires_grad_()
+    weights = torch.tensor([1.0, 0.5, 0.0, 1.0, 0.0, 0.3])
+    loss, _ = chunked_lm_head_loss(hidden, torch.randn(32, 8), torch.randint(0, 32, (6,)), weights, 4)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(hidden.grad).all() and (hidden.grad[2] == 0).all()
