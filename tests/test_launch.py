@@ -1,0 +1,146 @@
+"""launch.sh drives a whole job: start, stats, SIGTERM with checkpoints, teardown on a critical death."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from consumer.checkpoint import load_latest
+from tests.jobs import tiny_assets, write_job
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG_JOB = """
+[[drafters]]
+name = "d0"
+block_size = 8
+num_layers = 1
+anchors_per_seq = 16
+loss_chunk_rows = 64
+checkpoint_every = 1000
+log_every = 5
+[[drafters]]
+name = "d1"
+block_size = 4
+num_layers = 1
+anchors_per_seq = 8
+loss_chunk_rows = 64
+checkpoint_every = 1000
+"""
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("assets"))
+
+
+def launch(job, *args):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def group_alive(pgid):
+    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 0
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def steps(run, drafter):
+    """Steps a consumer has logged so far (its log line 'dX_r0 step N seq S: loss ...')."""
+    log = run / "logs" / f"consumer-{drafter}-r0.log"
+    lines = [li for li in log.read_text().splitlines() if f"{drafter}_r0 step " in li] if log.exists() else []
+    return int(lines[-1].split(" step ")[1].split()[0]) if lines else 0
+
+
+def pid_of(pgid, module):
+    """The pid of `python -m <module>` in the process group, or None."""
+    found = subprocess.run(["pgrep", "-g", str(pgid), "-f", "--", f"-m {module} "], capture_output=True, text=True)
+    return int(found.stdout.split()[0]) if found.stdout.strip() else None
+
+
+def test_dry_run_lists_the_process_group(assets):
+    job = write_job(assets, drafters=LONG_JOB)
+    out = subprocess.run([str(ROOT / "launch.sh"), str(job), "--dry-run"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": sys.executable}, check=True).stdout
+    names = [li.split()[0] for li in out.splitlines() if not li.startswith(" ")]
+    assert names == ["telemetry", "producer", "consumer-d0-r0", "consumer-d1-r0"]
+    assert "critical=0" in out.splitlines()[0]
+
+
+def test_sigterm_checkpoints_and_exits_zero_and_stats_show_the_job(assets):
+    job = write_job(assets, drafters=LONG_JOB, epochs=50, name="term")
+    run = job.parent
+    proc = launch(job, "--grace", "60")
+    try:
+        wait_for(lambda: steps(run, "d0") >= 5 and steps(run, "d1") >= 5, 180, "both drafters to train")
+        stats = subprocess.run([sys.executable, "-m", "telemetry.cli", str(run), "--json", "--timeout", "10"],
+                               capture_output=True, text=True, cwd=ROOT)
+        assert stats.returncode == 0, stats.stdout + stats.stderr
+        doc = json.loads(stats.stdout)
+        live = {(p["role"], p["name"]) for p in doc["processes"] if p["state"] == "live"}
+        assert {("producer", "producer"), ("consumer", "d0_r0"), ("consumer", "d1_r0")} <= live
+        assert doc["pipeline"]["tokens_per_s"] > 0 and doc["ring"]["slots_total"] == 4
+        os.killpg(proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+        assert time.monotonic() - sent < 60
+        assert not group_alive(proc.pid)
+        for d in ("d0", "d1"):
+            ckpt = load_latest(run / "checkpoints" / d)
+            assert ckpt is not None and ckpt.step >= 5, out
+            assert ckpt.state["last_seq"] == ckpt.step - 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_producer_tears_the_group_down_with_its_status(assets):
+    job = write_job(assets, drafters=LONG_JOB, epochs=50, name="kill")
+    run = job.parent
+    proc = launch(job, "--grace", "20")
+    try:
+        wait_for(lambda: steps(run, "d0") >= 2, 180, "training to start")
+        producer = pid_of(proc.pid, "producer")
+        os.kill(producer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 128 + signal.SIGKILL, out  # the producer's status
+        assert "producer exited with status" in out and "tearing the job down" in out
+        wait_for(lambda: not group_alive(proc.pid), 30, "every process of the group to exit")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_telemetry_is_restarted_and_training_continues(assets):
+    job = write_job(assets, drafters=LONG_JOB, epochs=50, name="telem")
+    run = job.parent
+    proc = launch(job, "--grace", "30")
+    try:
+        wait_for(lambda: steps(run, "d0") >= 2, 180, "training to start")
+        first = pid_of(proc.pid, "telemetry")
+        os.kill(first, signal.SIGKILL)
+        before = steps(run, "d0")
+        wait_for(lambda: steps(run, "d0") >= before + 5, 120, "training to go on without telemetry")
+        wait_for(lambda: pid_of(proc.pid, "telemetry") not in (None, first), 30, "telemetry to be restarted")
+        assert proc.poll() is None  # the job is still running
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+        assert "telemetry exited with status" in out and "restarting it" in out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
