@@ -96,8 +96,12 @@ def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: di
         _fsync_file(out_dir / name)
 
 
-def save_checkpoint(ckpt_root: str | Path, trainer) -> Path:
-    """Write <ckpt_root>/step_<trainer.step>/ atomically and point `latest` at it; returns its path."""
+KEEP_LAST = 3  # older step_<N> directories are removed once a newer checkpoint is complete
+
+
+def save_checkpoint(ckpt_root: str | Path, trainer, keep_last: int = KEEP_LAST) -> Path:
+    """Write <ckpt_root>/step_<trainer.step>/ atomically and point `latest` at it; returns its path.
+    Keeps the newest `keep_last` checkpoints, so a long run does not fill the disk."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{trainer.step}"
@@ -134,7 +138,14 @@ def save_checkpoint(ckpt_root: str | Path, trainer) -> Path:
         raise
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
+    _prune(root, keep_last)
     return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted((int(p.name.removeprefix("step_")), p) for p in root.glob("step_*") if p.name[5:].isdigit())
+    for _, old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -150,3 +150,15 @@ def test_load_latest(trained, tmp_path):
     (tmp_path / "latest").write_text("step_99\n")
     with pytest.raises(FileNotFoundError, match="step_99"):
         load_latest(tmp_path)
+
+
+def test_only_the_newest_checkpoints_are_kept(trained, tmp_path):
+    trainer, _ = trained
+    step = trainer.step
+    try:
+        for trainer.step in range(10, 15):
+            save_checkpoint(tmp_path, trainer, keep_last=2)
+    finally:
+        trainer.step = step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_13", "step_14"]
+    assert load_latest(tmp_path).step == 14
