@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -115,6 +116,8 @@ class Trainer:
         self.tokens = 0  # tokens in completed steps
         self.last_seq = -1  # seq of the last batch of the last completed step
         self._rng_at_step = self.generator.get_state()
+        # (params, Σw, Σw·CE) → summed over the replicas in place, missing grads as zeros (consumer/distributed.py)
+        self.grad_sync: Callable[[list[Tensor], Tensor, Tensor], None] | None = None
 
     def _timer(self, name: str):
         return self.prof.timer(name) if self.prof else contextlib.nullcontext()
@@ -138,6 +141,14 @@ class Trainer:
 
         cu_seqlens is read on the host (its values size the step): pass a CPU tensor.
         """
+        self.accumulate(hidden, input_ids, loss_mask, cu_seqlens, seq)
+        if self.cfg.tokens_per_step and self._pending_tokens < self.cfg.tokens_per_step:
+            return None
+        return self.optimizer_step(seq)
+
+    def accumulate(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, seq: int) -> None:
+        """Forward and backward of one packed batch; its gradients add up until `optimizer_step`.
+        (Replica groups decide when to step together, so they call the two halves themselves.)"""
         cfg, dev = self.cfg, self.device
         T = input_ids.numel()
         if hidden.shape != (T, self.arch.num_features * self.arch.hidden_size):
@@ -177,11 +188,17 @@ class Trainer:
             self.prof.count("tokens", T)
             self.prof.count("anchors", batch.num_anchors)  # anchor slots, padding included (no sync)
             self.prof.count("batches", 1)
-        if cfg.tokens_per_step and self._pending_tokens < cfg.tokens_per_step:
-            return None
+
+    def optimizer_step(self, seq: int) -> dict[str, float] | None:
+        """Close the step whose last batch is `seq`; returns the metrics dict on log steps, else None.
+
+        `grad_sync`, when set, sums the gradients, Σw and Σw·CE over the replica group first.
+        """
+        if self.grad_sync is not None:
+            self.grad_sync(self.params, self._pending_weight, self._pending_loss)
         with self._timer("optimizer"):
             self._optimizer_step(seq)
-        return self._read_metrics() if self.step % cfg.log_every == 0 else None
+        return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
     def _optimizer_step(self, seq: int) -> None:
         inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / Σ w over the whole step
