@@ -1,8 +1,15 @@
 """The process list of a job, derived from the job file alone (launch.sh and systemd read it from here).
 
-    python -m common.launch_plan JOB.toml [--node-rank R --nnodes N]       # one process per line
+    python -m common.launch_plan JOB.toml [--node-rank R --nnodes N --master-addr HOST --master-port PORT]
 
 Each line: `name critical log_path command...` separated by tabs, the command's words shell-quoted.
+
+A drafter whose replicas × nnodes > 1 trains as one torch.distributed group: each of its consumers gets
+torchrun's variables, prefixed to its command as `env K=V ...` (so launch.sh and systemd need nothing new):
+MASTER_ADDR, MASTER_PORT = the base port + the drafter's index in the job (one rendezvous per drafter),
+WORLD_SIZE = replicas × nnodes, RANK = node_rank × replicas + replica, LOCAL_RANK = replica,
+LOCAL_WORLD_SIZE = replicas, GROUP_RANK = node_rank. Every node must be given the same base port and the
+address of node 0 (defaults: $MASTER_ADDR or 127.0.0.1 on one node, $MASTER_PORT or 29500).
 """
 
 from __future__ import annotations
@@ -11,9 +18,11 @@ import argparse
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common.config import ConfigError, JobConfig, load_job
+from common.config import ConfigError, DrafterConfig, JobConfig, load_job
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 
 @dataclass(frozen=True)
@@ -22,9 +31,38 @@ class ProcessSpec:
     argv: list[str]
     critical: bool  # its death tears the job down; telemetry's does not (it is restarted)
     log: str
+    env: dict[str, str] = field(default_factory=dict)  # set for this process only
+
+    @property
+    def command(self) -> list[str]:
+        """argv with the process's own environment in front (`env K=V ... argv`)."""
+        return ["env", *(f"{k}={v}" for k, v in self.env.items()), *self.argv] if self.env else self.argv
 
 
-def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes: int = 1) -> list[ProcessSpec]:
+def group_env(drafter: DrafterConfig, index: int, replica: int, node_rank: int, nnodes: int, master_addr: str,
+              master_port: int) -> dict[str, str]:
+    """torchrun's variables for one replica of the drafter at `index` in the job; none for a group of one."""
+    world = drafter.replicas * nnodes
+    if world == 1:
+        return {}
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port + index),
+        "WORLD_SIZE": str(world),
+        "RANK": str(node_rank * drafter.replicas + replica),
+        "LOCAL_RANK": str(replica),
+        "LOCAL_WORLD_SIZE": str(drafter.replicas),
+        "GROUP_RANK": str(node_rank),
+    }
+
+
+def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes: int = 1,
+         master_addr: str = "127.0.0.1", master_port: int = DEFAULT_MASTER_PORT) -> list[ProcessSpec]:
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
+    if not 0 < master_port <= 65535 - len(job.drafters):
+        raise ConfigError(f"--master-port {master_port}: the drafters' ports {master_port}.."
+                          f"{master_port + len(job.drafters) - 1} must lie in 1..65535")
     logs = job.run_paths.logs
     node = ["--node-rank", str(node_rank), "--nnodes", str(nnodes)]
     procs = [
@@ -32,12 +70,13 @@ def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes:
         ProcessSpec("producer", [python, "-m", "producer", "--job", job_path, *node], True,
                     str(logs / "producer.log")),
     ]
-    for d in job.drafters:
+    for i, d in enumerate(job.drafters):
         for r in range(d.replicas):
             name = f"consumer-{d.name}-r{r}"
             procs.append(ProcessSpec(
                 name, [python, "-m", "consumer", "--job", job_path, "--drafter", d.name, "--replica", str(r), *node],
                 True, str(logs / f"{name}.log"),
+                group_env(d, i, r, node_rank, nnodes, master_addr, master_port),
             ))
     return procs
 
@@ -48,15 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)))
     ap.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)))
+    ap.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                    help="node 0's address, where replica groups meet (default $MASTER_ADDR; 127.0.0.1 on one node)")
+    ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+                    help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)")
     args = ap.parse_args(argv)
     try:
         job = load_job(args.job)
+        if args.master_addr is None and args.nnodes > 1 and any(d.replicas * args.nnodes > 1 for d in job.drafters):
+            raise ConfigError("a job over several nodes needs --master-addr (or $MASTER_ADDR): the address of"
+                              " node 0, where every drafter's replicas meet")
+        procs = plan(job, os.path.abspath(args.job), args.python, args.node_rank, args.nnodes,
+                     args.master_addr or "127.0.0.1", args.master_port)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
     job.run_paths.make()
-    for p in plan(job, os.path.abspath(args.job), args.python, args.node_rank, args.nnodes):
-        print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.argv)}")
+    for p in procs:
+        print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")
     return 0
 
 

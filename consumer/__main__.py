@@ -1,4 +1,8 @@
-"""`python -m consumer --job JOB.toml --drafter NAME --replica R`: one drafter replica's training process."""
+"""`python -m consumer --job JOB.toml --drafter NAME --replica R`: one drafter replica's training process.
+
+A drafter with replicas × nnodes > 1 forms a torch.distributed group from MASTER_ADDR / MASTER_PORT (the
+launch plan exports them with RANK / WORLD_SIZE / LOCAL_RANK, as torchrun would); see consumer/distributed.py.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,13 @@ import sys
 
 import torch
 
+from common.accounting import TrainLedger, ledger_id_of
 from common.config import ConfigError, dflash_layer_ids, load_job
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from consumer.checkpoint import load_latest, save_checkpoint
-from consumer.service import ConsumerService
+from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
+from consumer.service import EXIT_GROUP_LOST, ConsumerService
 from consumer.stream import BatchStream
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
@@ -30,9 +36,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="seconds any replica-group collective may wait for the others (default %(default)s)")
+    ap.add_argument("--trace", default=None,
+                    help="append one JSON line per optimizer step (seqs, samples, parameter digest) to this file")
     args = ap.parse_args(argv)
+    node = f"n{args.node_rank}." if args.nnodes > 1 else ""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {args.drafter}.r{args.replica} %(levelname)s %(message)s")
+                        format=f"%(asctime)s {args.drafter}.{node}r{args.replica} %(levelname)s %(message)s")
     try:
         job = load_job(args.job)
         cfg = job.drafter(args.drafter)
@@ -42,30 +53,74 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.replica < cfg.replicas:
         log.error("replica %d is outside drafter %s's %d replicas", args.replica, cfg.name, cfg.replicas)
         return 2
-    name = f"{cfg.name}_r{args.replica}"
+    try:
+        env = GroupEnv.resolve(os.environ, replica=args.replica, replicas=cfg.replicas, node_rank=args.node_rank,
+                               nnodes=args.nnodes)
+    except GroupError as err:
+        log.error("%s", err)
+        return 2
+    if cfg.distributed == "fsdp" and env.world_size > 1:
+        log.error("%s: drafter %s: distributed = 'fsdp' is not supported yet; use 'ddp' (every replica holds the"
+                  " whole drafter, gradients are all-reduced)", args.job, cfg.name)
+        return 2
+    name = f"{cfg.name}_r{env.rank}"  # the global rank: unique across nodes, = the replica on one node
     device = torch.device(cfg.device_of(args.replica))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(job.job.seed)
 
-    parts = load_target_parts(job.target.path)
-    layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
     prof = ProfileStats() if interval > 0 else None
+    try:
+        group = ReplicaGroup(env, device, timeout_s=args.dist_timeout, prof=prof)
+    except GroupError as err:
+        log.error("%s", err)
+        return EXIT_GROUP_LOST
+    try:
+        return run(job, cfg, env, group, device, prof, interval, name, args.trace)
+    except GroupError as err:
+        log.error("%s", err)
+        return EXIT_GROUP_LOST
+    finally:
+        group.close()
+
+
+def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None,
+        interval: float, name: str, trace_path: str | None) -> int:
+    parts = load_target_parts(job.target.path)
+    layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof)
     ckpt_root = job.run_paths.checkpoints(cfg.name)
-    resumed = load_latest(ckpt_root)
+
+    def latest():
+        ckpt = load_latest(ckpt_root)
+        return None if ckpt is None else (str(ckpt.path), ckpt.state)
+
+    resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
+    cursor = GroupCursor.fresh(env.nnodes)
     if resumed is not None:
-        trainer.load_state_dict(resumed.state)
-        log.info("resumed from %s: step %d, next seq %d", resumed.path, trainer.step, trainer.last_seq + 1)
+        where, state = resumed
+        trainer.load_state_dict(state)
+        cursor = GroupCursor.from_state(state, env.nnodes, where)
+        log.info("resumed from %s: step %d, next seq %d", where, trainer.step, cursor.cursors[env.node_rank])
+    group.broadcast_params(trainer.params)
+    if group.world_size > 1:
+        trainer.grad_sync = group.sum_grads
+        log.info("%s is rank %d of %d (node %d of %d), group at %s:%d", name, env.rank, env.world_size,
+                 env.node_rank, env.nnodes, env.master_addr, env.master_port)
     trainer.warmup(triton_cache_dir=job.run_paths.root / "triton-cache")
 
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval, prof) if prof else None
-    stream = BatchStream(job, cfg.name, args.replica, device, resume_seq=lambda: trainer.last_seq + 1, prof=prof)
+    # the stream asks for the resume seq on every (re)attachment: the service knows it (bound late)
+    stream = BatchStream(job, cfg.name, env.local_rank, device, resume_seq=lambda: service.resume_seq(), prof=prof)
     service = ConsumerService(
-        trainer, stream, lambda reason: save_checkpoint(ckpt_root, trainer),
-        checkpoint_every=cfg.checkpoint_every, idle_timeout_s=job.transport.heartbeat_interval_s,
-        prof=prof, stats=stats, name=name,
+        trainer, stream, lambda what: save_checkpoint(ckpt_root, what),
+        group=group, cursor=cursor, checkpoint_every=cfg.checkpoint_every,
+        idle_timeout_s=job.transport.heartbeat_interval_s, prof=prof, stats=stats, name=name,
+        trace=StepTrace(trace_path, env.rank, env.node_rank) if trace_path else None,
+        ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
+                           base=ledger_id_of(resumed[1]) if resumed else None,
+                           resumed_from=resumed[0] if resumed else None),
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
              cfg.num_layers, cfg.block_size, layer_ids)
@@ -74,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if stats:
             stats.close()
-
 
 if __name__ == "__main__":
     sys.exit(main())

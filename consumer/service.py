@@ -1,7 +1,12 @@
 """The consumer loop: batches from the producer's ring → drafter training steps → checkpoints.
 
 Reads top to bottom in `run()`. The stream owns the transport (sessions, fencing, copy-out), the trainer
-owns the step; this loop decides when to checkpoint and when to stop.
+owns the step, the replica group owns the collectives; this loop decides when to step, checkpoint and stop.
+
+It runs in rounds (consumer/distributed.py says why): poll for one batch and train it (forward +
+backward), then one all-reduce of flags tells every replica of the drafter whether the round is complete,
+whether the group steps (tokens_per_step over the whole group; 0: every complete round), stops or fails.
+With one replica the flags are local and a round is one batch: the loop is the plain one.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from common.accounting import TrainLedger
 from common.profile import ProfileStats
+from consumer.distributed import GroupCheckpoint, GroupCursor, GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.stream import BatchStream, ConsumerRejected, ProducerLost, ReceivedBatch, StreamEnd
 from consumer.trainer import NonFiniteTrainingError, Trainer
 
@@ -22,6 +29,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_PRODUCER_LOST = 3
 EXIT_REJECTED = 4
+EXIT_GROUP_LOST = 5
 
 
 class StatsSink(Protocol):
@@ -33,69 +41,159 @@ class ConsumerService:
         self,
         trainer: Trainer,
         stream: BatchStream,
-        save_checkpoint: Callable[[str], None],
+        save_checkpoint: Callable[[GroupCheckpoint], None],
         *,
+        group: ReplicaGroup,
+        cursor: GroupCursor,
         checkpoint_every: int,
         idle_timeout_s: float,
         prof: ProfileStats | None = None,
         stats: StatsSink | None = None,
         name: str = "consumer",
+        trace: StepTrace | None = None,
+        ledger: TrainLedger | None = None,
     ):
-        """`save_checkpoint(reason)` writes the trainer's state atomically (the caller binds where)."""
+        """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
+        `cursor` is where the group resumes (from its checkpoint, or fresh)."""
         self.trainer = trainer
         self.stream = stream
         self.save_checkpoint = save_checkpoint
+        self.group = group
+        self.cursor = cursor
         self.checkpoint_every = checkpoint_every
         self.idle_timeout_s = idle_timeout_s
         self.prof = prof
         self.stats = stats
         self.name = name
+        self.trace = trace
+        self.ledger = ledger  # the job log of steps and checkpoints (common/accounting.py)
+        self.node = group.env.node_rank
         self._stop_reason: str | None = None
         self._saved_step = trainer.step
+        self._connected = False
+        # this replica in the current round / step
+        self._round: ReceivedBatch | None = None  # trained (forward + backward), round not closed yet
+        self._round_tokens = 0
+        self._ended: StreamEnd | None = None
+        self._fault: tuple[str, str] | None = None  # ("producer_lost" | "rejected", message)
+        self._waiting_since = time.monotonic()
+        self._step_seqs: list[int] = []  # this replica's batches in the step being accumulated
+        self._step_samples: list[int] = []
+        self._group_tokens = 0  # the group's tokens in the step being accumulated
+        self._trained: list[int] = []  # seqs of completed steps since the last checkpoint
+        self._skip = set(cursor.trained_above[self.node])  # trained before the checkpoint we resumed from
+        self._highest_seen = cursor.cursors[self.node] - 1
+
+    def resume_seq(self) -> int:
+        """The seq this replica asks for in HELLO: the group's cursor at start, past what it trained after."""
+        return max(self.cursor.cursors[self.node], self._highest_seen + 1)
 
     def run(self) -> int:
         self._install_signal_handlers()
         try:
-            self.stream.connect()
-            while self._stop_reason is None:
-                item = self._next_item()
-                if item is None:
-                    continue  # the producer is alive but has nothing for us yet (heartbeats say so)
-                if isinstance(item, StreamEnd):
-                    log.info("%s: end of stream (%s) after seq %d", self.name, item.reason, self.trainer.last_seq)
-                    self._stop_reason = item.reason
-                    break
-                self._train(item)
-            return self._finish(EXIT_OK, self._stop_reason or "stopped")
-        except ProducerLost as err:
-            log.error("%s: the producer was lost (%s); saving a checkpoint and exiting", self.name, err)
-            return self._finish(EXIT_PRODUCER_LOST, "producer lost", say_bye=False)
-        except ConsumerRejected as err:
-            log.error("%s: %s", self.name, err)
-            return self._finish(EXIT_REJECTED, "rejected", say_bye=False, save=False)
+            while True:
+                if self._round is None and self._ended is None and self._fault is None:
+                    self._poll()
+                total = self.group.sync_round(self._flags())
+                if total.producer_lost or total.rejected:
+                    return self._fail(total)
+                if total.complete(self.group.world_size):
+                    self._close_round(total)
+                if total.stop:
+                    return self._finish(EXIT_OK, self._stop_reason or "a replica of the group was stopped")
+                if total.ended == self.group.world_size:
+                    reason = self._ended.reason if self._ended else "end of stream"
+                    log.info("%s: end of stream (%s); trained through seq %d", self.name, reason, self.trainer.last_seq)
+                    return self._finish(EXIT_OK, reason)
+        except GroupError as err:
+            log.error("%s: %s. Nothing more is saved: the last checkpoint (step %d) is intact and the group"
+                      " resumes from it when restarted", self.name, err, self._saved_step)
+            return self._finish(EXIT_GROUP_LOST, "replica group lost", save=False)
         except NonFiniteTrainingError as err:
             log.error("%s: %s", self.name, err)
             return self._finish(EXIT_FAILED, "non-finite training", save=False)
         finally:
             self.stream.close()
+            if self.trace:
+                self.trace.close()
+            if self.ledger:
+                self.ledger.close()
 
-    def _next_item(self) -> ReceivedBatch | StreamEnd | None:
+    # ------------------------------------------------------------------------------------ one round
+    def _poll(self) -> None:
+        """Wait up to idle_timeout_s for this replica's batch of the round and train it; transport
+        failures become flags, so the whole group learns of them at the round's all-reduce."""
         start = time.perf_counter()
         self.stream.last_copy_s = 0.0
-        item = self.stream.next(timeout_s=self.idle_timeout_s)
-        if self.prof:
-            self.prof.add("wait_batch", time.perf_counter() - start - self.stream.last_copy_s)
-        return item
+        try:
+            if not self._connected:
+                self.stream.connect()
+                self._connected = True
+                start = time.perf_counter()
+            item = self.stream.next(timeout_s=self.idle_timeout_s)
+        except ProducerLost as err:
+            self._fault = ("producer_lost", str(err))
+            return
+        except ConsumerRejected as err:
+            self._fault = ("rejected", str(err))
+            return
+        finally:
+            if self.prof:
+                self.prof.add("wait_batch", time.perf_counter() - start - self.stream.last_copy_s)
+        if isinstance(item, StreamEnd):
+            self._ended = item
+        elif isinstance(item, ReceivedBatch):
+            if item.seq in self._skip:  # a resumed producer replays from the cursor: these were trained
+                self._skip.discard(item.seq)
+                if self.prof:
+                    self.prof.count("skipped_trained")
+                return
+            self.trainer.accumulate(item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.seq)
+            self._round = item
+            self._round_tokens = item.input_ids.numel()
+            self._highest_seen = max(self._highest_seen, item.seq)
 
-    def _train(self, batch: ReceivedBatch) -> None:
-        step_before = self.trainer.step
-        metrics = self.trainer.train_batch(batch.hidden, batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.seq)
-        if self.trainer.step != step_before and self.prof:
+    def _flags(self) -> RoundFlags:
+        starved = self._round is None and time.monotonic() - self._waiting_since >= self.idle_timeout_s
+        return RoundFlags(
+            has_batch=int(self._round is not None),
+            ended=int(self._ended is not None),
+            starved=int(starved and self._ended is None),
+            tokens=self._round_tokens if self._round is not None else 0,
+            stop=int(self._stop_reason is not None),
+            producer_lost=int(self._fault is not None and self._fault[0] == "producer_lost"),
+            rejected=int(self._fault is not None and self._fault[0] == "rejected"),
+        )
+
+    def _close_round(self, total: RoundFlags) -> None:
+        if self._round is not None:
+            self._step_seqs.append(self._round.seq)
+            self._step_samples.extend(self._round.sample_ids)
+            self._round = None
+            self._waiting_since = time.monotonic()
+        elif self.prof:
+            self.prof.count("idle_rounds")  # joined the round with zero gradient and zero weight
+        self._group_tokens += total.tokens
+        tokens_per_step = self.trainer.cfg.tokens_per_step
+        if not tokens_per_step or self._group_tokens >= tokens_per_step:
+            self._step()
+
+    def _step(self) -> None:
+        seqs, samples = self._step_seqs, self._step_samples
+        tokens_before = self.trainer.tokens
+        metrics = self.trainer.optimizer_step(max(seqs, default=self.trainer.last_seq))
+        self._trained.extend(seqs)
+        self._step_seqs, self._step_samples, self._group_tokens = [], [], 0
+        if self.ledger:
+            self.ledger.stepped(self.trainer.step, seqs)
+        if self.prof:
             self.prof.count("steps")
+        if self.trace:
+            self.trace.write(self.trainer.step, seqs, samples, self.trainer.tokens - tokens_before, self.trainer.params)
         if metrics is not None:
-            log.info("%s step %d seq %d: loss %.4f tau_est %.3f acc_slot_1 %.3f lr %.2e grad_norm %.3f", self.name,
-                     self.trainer.step, batch.seq, metrics["loss"], metrics["tau_est"], metrics.get("acc_slot_1", 0.0),
-                     metrics["lr"], metrics["grad_norm"])
+            log.info("%s step %d seq %s: loss %.4f tau_est %.3f acc_slot_1 %.3f lr %.2e grad_norm %.3f", self.name,
+                     self.trainer.step, seqs[-1] if seqs else "-", metrics["loss"], metrics["tau_est"],
+                     metrics.get("acc_slot_1", 0.0), metrics["lr"], metrics["grad_norm"])
             if self.prof:
                 for key, value in metrics.items():
                     if key.startswith("acc_slot_"):
@@ -105,27 +203,54 @@ class ConsumerService:
         if self.stats:
             self.stats.maybe_publish(step=self.trainer.step)
 
+    # ------------------------------------------------------------------------------------ checkpoints, end
     def _save(self, reason: str) -> None:
+        """Collective: every replica reports what it trained; global rank 0 alone writes."""
         start = time.perf_counter()
-        self.save_checkpoint(reason)
+        trained = self.group.gather_trained(self._trained)
+        self.cursor = self.cursor.advance(trained)
+        self._trained = []
         self._saved_step = self.trainer.step
-        log.info("%s: checkpoint at step %d (seq %d, %s) in %.2f s", self.name, self.trainer.step,
-                 self.trainer.last_seq, reason, time.perf_counter() - start)
+        if self.group.is_writer:
+            what = GroupCheckpoint(self.trainer, self.cursor, self.group.world_size)
+            if self.ledger:  # logs the seqs this checkpoint adds; the checkpoint carries the record's id
+                what = self.ledger.checkpoint(what, trained, self.cursor.cursors, self.cursor.trained_above)
+            self.save_checkpoint(what)
+            log.info("%s: checkpoint at step %d (resume at seq %s, %s) in %.2f s", self.name, self.trainer.step,
+                     list(self.cursor.cursors), reason, time.perf_counter() - start)
+        if self.ledger:
+            self.ledger.saved(self.trainer.step)
+
+    def _fail(self, total: RoundFlags) -> int:
+        if total.rejected:
+            msg = self._fault[1] if self._fault else f"{total.rejected} replica(s) of the group were rejected"
+            log.error("%s: %s", self.name, msg)
+            return self._finish(EXIT_REJECTED, "rejected", save=False, say_bye=self._fault is None)
+        if self._fault:
+            log.error("%s: the producer was lost (%s); saving a checkpoint and exiting", self.name, self._fault[1])
+        else:
+            log.error("%s: %d replica(s) of the group lost their producer; saving a checkpoint and exiting",
+                      self.name, total.producer_lost)
+        return self._finish(EXIT_PRODUCER_LOST, "producer lost", say_bye=self._fault is None)
 
     def _finish(self, status: int, reason: str, *, say_bye: bool = True, save: bool = True) -> int:
+        """Save is collective (every replica reaches it on the same round); a failed write keeps the old one."""
         if save and self.trainer.step > 0:
             try:
                 self._save(reason)
             except OSError as err:
                 log.error("%s: could not save the final checkpoint: %s (the previous one is intact)", self.name, err)
                 status = status or EXIT_FAILED
-        if say_bye:
+            except GroupError as err:
+                log.error("%s: no final checkpoint, %s (the previous one is intact)", self.name, err)
+                status = status or EXIT_GROUP_LOST
+        if say_bye and self._connected:
             self.stream.bye(reason, self.trainer.last_seq)
         return status
 
     def _install_signal_handlers(self) -> None:
         def stop(signum, _frame):
-            # finish the step in progress, checkpoint, then exit 0
+            # finish the round in progress, checkpoint, then exit 0
             self._stop_reason = f"stopped by {signal.Signals(signum).name}"
 
         signal.signal(signal.SIGTERM, stop)
