@@ -6,6 +6,7 @@
 #   ./launch.sh JOB.toml --dry-run           print the process list and exit
 #   options: --grace SECONDS (default 60)    how long SIGINT/SIGTERM waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
+#   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
 #
 # One log per process in <run_dir>/logs/. SIGINT/SIGTERM are forwarded (consumers checkpoint at a step
 # boundary, then exit 0). When a critical process (producer, consumer) fails, the rest is torn down and
@@ -30,7 +31,7 @@ while (($#)); do
     --node-rank) node_rank=$2; shift ;;
     --master-addr) export MASTER_ADDR=$2; shift ;;
     --master-port) export MASTER_PORT=$2; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     -*) echo "launch.sh: unknown option $1" >&2; exit 2 ;;
     *) job=$1 ;;
   esac
@@ -41,8 +42,9 @@ export NNODES=$nnodes NODE_RANK=$node_rank
 demo=0
 if [[ -z $job ]]; then
   demo=1
-  echo "launch.sh: no job given: preparing the embedded demo job (cached in $here/runs/demo)"
-  job=$("$PY" -m producer.demo prepare "$here/runs/demo" ${DEMO_QUICK:+--quick}) || exit 1
+  demo_dir=${DEMO_RUN_DIR:-$here/runs/demo}
+  echo "launch.sh: no job given: preparing the embedded demo job (cached in $demo_dir)"
+  job=$("$PY" -m producer.demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit 1
 fi
 
 plan=$("$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes") || exit 2

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from consumer.checkpoint import load_latest
+from telemetry.wandb_reader import find_run_file, read_history
 from tests.jobs import tiny_assets, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +104,11 @@ def test_sigterm_checkpoints_and_exits_zero_and_stats_show_the_job(assets):
             ckpt = load_latest(run / "checkpoints" / d)
             assert ckpt is not None and ckpt.step >= 5, out
             assert ckpt.state["last_seq"] == ckpt.step - 1
+        # the same job, as the offline W&B run recorded it (read back from the .wandb file, no network)
+        history = read_history(find_run_file(run / "wandb"))
+        losses = [row["consumer/d0_r0/loss"] for row in history if "consumer/d0_r0/loss" in row]
+        assert losses and all(0 < v < 20 for v in losses)
+        assert max(row.get("producer/tokens", 0) for row in history) > 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
