@@ -1,0 +1,185 @@
+"""bench.pipeline's in-process variants: the stages alone and the serial loop, in one long-lived process.
+
+    python -m bench.pipeline_stages --assets DIR --chats N --warmup W --cores P,C balanced=JOB heavy_target=JOB
+
+Builds the benchmark's assets once (tokenizer, random Qwen3 target, chat data), reads the batches of each
+job's plan exactly as the producer does (producer.__main__.build_dataset), loads the target and the
+drafter trainers exactly as the producer and consumer entry points do, warms every variant up on the
+first W batches, then answers on stdout: one JSON line when ready, one per {"rep": K} line on stdin
+({"quit": true} ends it). Everything else it prints goes to stderr, so the protocol lines stay clean.
+
+Per repetition, each variant runs over batches W.. of the plan, in an order rotated by K:
+  producer_alone        target forward into a reused slot-sized buffer, on core P
+  consumer_alone        Trainer.train_batch on features captured at start-up (fed from memory), on core C
+  serial                forward into the buffer, then train_batch on it, batch after batch, on core P
+  heavy_producer_alone, heavy_consumer_alone   the same for the heavy_target setting
+Wall time (perf_counter) gives tokens_per_s; process CPU time gives cpu_tokens_per_s, the rate with a
+core to itself, to tell the stage's cost from the other tenants' load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.pipeline import TARGET_SHAPE
+from common.config import JobConfig, load_job
+from consumer.target_parts import load_target_parts
+from consumer.trainer import Trainer
+from producer.__main__ import build_dataset
+from producer.prefetch import PackedBatch, pack_batch
+from producer.target import TargetCapture, load_target
+from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
+
+
+def build_assets(root: Path, chats: int) -> None:
+    """Tokenizer (trained on a fixed corpus), target and `chats` records of data, as the job files expect."""
+    tok = train_tokenizer(corpus_texts(synthetic_chats(600, seed=0)), 2000, root / "tokenizer")
+    shape = TARGET_SHAPE
+    build_tiny_target(
+        root / "target",
+        tok,
+        hidden_size=shape["hidden_size"],
+        num_layers=shape["num_layers"],
+        heads=shape["heads"],
+        kv_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+    )
+    write_jsonl(root / "chats.jsonl", synthetic_chats(chats, seed=1))
+
+
+def new_trainer(job: JobConfig, drafter: str) -> Trainer:
+    """As consumer.__main__ builds it."""
+    torch.manual_seed(job.job.seed)
+    parts = load_target_parts(job.target.path)
+    trainer = Trainer(
+        job.drafter(drafter), parts, list(job.target.layer_ids), torch.device("cpu"), job_seed=job.job.seed
+    )
+    trainer.warmup()
+    return trainer
+
+
+@dataclass
+class JobStages:
+    """One job's batches, its target (with a slot-sized output buffer) and two trainers."""
+
+    batches: list[PackedBatch]
+    target: TargetCapture
+    buffer: torch.Tensor  # [tokens_per_batch, n·H]: stands in for the ring slot
+    features: list[torch.Tensor]  # captured once, for the consumer fed from memory
+    alone: Trainer
+    serial: Trainer
+
+    @classmethod
+    def load(cls, job: JobConfig) -> JobStages:
+        dataset, plan = build_dataset(job, node_rank=0, nnodes=1)
+        reader = dataset.reader()
+        batches = [pack_batch(reader, planned) for planned in plan.batches_from(0)]
+        reader.close()
+        t = job.target
+        target = load_target(t.path, t.layer_ids, t.num_features, t.dtype, t.device, t.attn_implementation)
+        buffer = torch.empty(job.data.tokens_per_batch, target.feature_width, dtype=target.dtype)
+        # cloned outside inference mode: the trainer's autograd cannot save inference tensors
+        features = [target(b.input_ids, b.cu_seqlens).clone() for b in batches]
+        return cls(batches, target, buffer, features, new_trainer(job, "d0"), new_trainer(job, "d0"))
+
+    def forward(self, k: int) -> torch.Tensor:
+        b = self.batches[k]
+        return self.target(b.input_ids, b.cu_seqlens, out=self.buffer[: b.num_tokens])
+
+    def train(self, trainer: Trainer, k: int, hidden: torch.Tensor) -> None:
+        b = self.batches[k]
+        trainer.train_batch(hidden, b.input_ids, b.loss_mask, b.cu_seqlens, b.seq)
+
+    def variants(self) -> dict[str, tuple[Callable[[int], object], str]]:
+        """name → (run batch k, which core: 'P' target side, 'C' drafter side)."""
+        return {
+            "producer_alone": (self.forward, "P"),
+            "consumer_alone": (lambda k: self.train(self.alone, k, self.features[k]), "C"),
+            "serial": (lambda k: self.train(self.serial, k, self.forward(k)), "P"),
+        }
+
+
+def time_variant(run: Callable[[int], object], ks: range, core: int) -> dict[str, float]:
+    os.sched_setaffinity(0, {core})
+    wall, cpu = time.perf_counter(), time.process_time()
+    for k in ks:
+        run(k)
+    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--assets", type=Path, required=True)
+    p.add_argument("--chats", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--cores", required=True, help="P,C: the target-side and drafter-side cpu ids")
+    p.add_argument("jobs", nargs="+", help="NAME=JOB.toml for 'balanced' and 'heavy_target'")
+    args = p.parse_args(argv)
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything a library prints goes to stderr
+    sys.stdout = sys.stderr
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    core_p, core_c = (int(c) for c in args.cores.split(","))
+    cores = {"P": core_p, "C": core_c}
+    jobs = {name: load_job(path) for name, path in (j.split("=", 1) for j in args.jobs)}
+    build_assets(args.assets, args.chats)
+    settings = {name: JobStages.load(job) for name, job in jobs.items()}
+    variants = {}
+    for name, s in settings.items():
+        prefix = "" if name == "balanced" else "heavy_"
+        variants.update(
+            {prefix + v: run for v, run in s.variants().items() if not (prefix and v == "serial")}
+        )
+    n = len(settings["balanced"].batches)
+    if any(len(s.batches) != n for s in settings.values()):
+        raise SystemExit(
+            "bench.pipeline_stages: the two settings' plans differ; they must read the same data"
+        )
+    if n <= args.warmup:
+        raise SystemExit(
+            f"bench.pipeline_stages: the plan has {n} batches, no more than --warmup {args.warmup}"
+        )
+    for run, core in variants.values():
+        time_variant(run, range(args.warmup), cores[core])
+    timed = range(args.warmup, n)
+    tokens = sum(settings["balanced"].batches[k].num_tokens for k in timed)
+    answer(protocol, {"ready": True, "batches": n, "timed_tokens": tokens})
+    names = list(variants)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("quit"):
+            break
+        rep = int(request["rep"])
+        times = {}
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            run, core = variants[name]
+            times[name] = time_variant(run, timed, cores[core])
+        answer(
+            protocol,
+            {
+                "tokens_per_s": {k: tokens / t["wall_s"] for k, t in times.items()},
+                "cpu_tokens_per_s": {k: tokens / t["cpu_s"] for k, t in times.items()},
+            },
+        )
+
+
+def answer(protocol, obj: dict) -> None:
+    protocol.write(json.dumps(obj) + "\n")
+    protocol.flush()
+
+
+if __name__ == "__main__":
+    main()
