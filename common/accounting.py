@@ -1,0 +1,190 @@
+"""The job log that proves exactly-once training: what the producer delivered, what each drafter's
+checkpoints hold. `common/accounting_check.py` reads it back and checks it.
+
+    <run_dir>/accounting/<role>-<name>-<pid>-<token>.jsonl     one file per process incarnation
+
+Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
+    producer  plan        node, total_batches, epochs [{epoch, first_seq, batches}], samples, digest
+              batch       node, seq, epoch, samples [ids], to [[drafter, replica, session], ...]
+    consumer  start       drafter, rank, world, base (id of the checkpoint resumed from, or null), base_step
+              step        drafter, rank, step, seqs (this replica's batches in that optimizer step)
+              checkpoint  drafter, id, parent, step, trained {node: [seqs]}, cursors, trained_above
+              saved       drafter, id (or null on a replica that does not write), step
+
+The chain: every checkpoint record names its parent (the previous successful save of this process, or the
+checkpoint it resumed from) and carries the seqs the replica group trained since that parent, repeats
+included. The checkpoint itself carries its record's id in trainer_state.pt ("ledger": {"id": ...}), written
+atomically with it, so the checker starts from what `latest` really points at. The record is flushed before
+the checkpoint is written: a process killed between the two leaves a record that no checkpoint names.
+
+What this proves, and what it does not claim: batches a consumer trained after its last checkpoint are lost
+with it when it crashes (its weights die with the process) and are trained again by the incarnation that
+resumes from that checkpoint. So "exactly once" holds *in the lineage of the final checkpoint*: walking the
+chain from it back to a fresh start, every seq appears once, and the seqs of each epoch hold every sample of
+that epoch once. The step records show the work lost in crashes; the checker reports it and shows that each
+such seq was trained again, once, in the lineage.
+
+Cost on the hot path: one dict per batch (producer) or per step (consumer) appended to a list; the list is
+written with one os.write at most every FLUSH_S seconds, and at once for checkpoint records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ACCOUNTING_DIR = "accounting"
+FLUSH_S = 1.0
+MAX_BUFFERED = 1024
+
+
+def sample_digest(sample_ids: Iterable[int]) -> str:
+    """A digest of a set of sample ids (order-free): equal digests and counts mean equal sets."""
+    ids = sorted(int(s) for s in sample_ids)
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
+class JobLog:
+    """Append-only JSON lines of one process incarnation, buffered: one os.write per flush."""
+
+    def __init__(self, run_dir: str | Path, role: str, name: str, flush_s: float = FLUSH_S):
+        folder = Path(run_dir) / ACCOUNTING_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.incarnation = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = folder / f"{role}-{name}-{self.incarnation}.jsonl"
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._buffer: list[str] = []
+        self._flush_s = flush_s
+        self._last_flush = time.monotonic()
+
+    def write(self, kind: str, fields: dict[str, Any], *, flush: bool = False) -> None:
+        self._buffer.append(json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":")))
+        if flush or len(self._buffer) >= MAX_BUFFERED or time.monotonic() - self._last_flush >= self._flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """One write of every buffered line; a failure (disk full) keeps them for the next try."""
+        self._last_flush = time.monotonic()
+        if not self._buffer or self._fd is None:
+            return
+        data = ("\n".join(self._buffer) + "\n").encode()
+        written = os.write(self._fd, data)
+        if written != len(data):  # a short append (disk full mid-write): finish it or raise
+            os.write(self._fd, data[written:])
+        self._buffer.clear()
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+class DeliveryLedger:
+    """The producer's log: its plan once, then every batch with the sessions it went to."""
+
+    def __init__(self, run_dir: str | Path, node: int, total_batches: int, epoch_batches: Sequence[int],
+                 sample_ids: Iterable[int]):
+        """`epoch_batches[e]`: batches in epoch e; `sample_ids`: this node's shard (the same every epoch)."""
+        self.node = node
+        ids = list(sample_ids)
+        epochs, first = [], 0
+        for e, n in enumerate(epoch_batches):
+            epochs.append({"epoch": e, "first_seq": first, "batches": int(n)})
+            first += int(n)
+        if first != total_batches:
+            raise ValueError(f"the epochs hold {first} batches, the plan says {total_batches}")
+        self.log = JobLog(run_dir, "producer", f"n{node}")
+        self.log.write("plan", {"node": node, "total_batches": total_batches, "epochs": epochs,
+                                "samples": len(ids), "digest": sample_digest(ids)}, flush=True)
+
+    def delivered(self, seq: int, epoch: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
+        self.log.write("batch", {"node": self.node, "seq": seq, "epoch": epoch,
+                                 "samples": [int(s) for s in sample_ids], "to": [list(m) for m in to]})
+
+    def close(self) -> None:
+        self.log.close()
+
+
+class LedgerCheckpoint:
+    """What the consumer saves, plus its ledger record id in the trainer state (atomic with the checkpoint)."""
+
+    def __init__(self, what: Any, record_id: str):
+        self._what = what
+        self._record_id = record_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._what, name)
+
+    def state_dict(self) -> dict:
+        return {**self._what.state_dict(), "ledger": {"id": self._record_id}}
+
+
+def ledger_id_of(state: dict | None) -> str | None:
+    """The ledger record id a checkpoint's trainer state carries (None: fresh start or an older checkpoint)."""
+    entry = (state or {}).get("ledger")
+    return entry.get("id") if isinstance(entry, dict) else None
+
+
+class TrainLedger:
+    """A consumer's log: its steps, and for the writing replica the chain of checkpoints.
+
+    The service calls `stepped` after each optimizer step, `checkpoint` around the object it saves (writer
+    only) and `saved` once the save returned (every replica). A save that raised is not `saved`: its seqs
+    stay pending and go into the next checkpoint record, whose parent stays the last successful one.
+    """
+
+    def __init__(self, run_dir: str | Path, drafter: str, rank: int, world_size: int, *,
+                 base: str | None, base_step: int, resumed_from: str | None = None):
+        """`base`: ledger id of the checkpoint resumed from (None for a fresh start); `resumed_from`: its path
+        (named in the log when a checkpoint older than the ledger carries no id)."""
+        self.drafter = drafter
+        self.rank = rank
+        self.log = JobLog(run_dir, "consumer", f"{drafter}-r{rank}")
+        if base is None and resumed_from is not None:
+            base = f"unaccounted:{resumed_from}"
+        self.parent = base
+        self._pending: dict[int, list[int]] = {}
+        self._count = 0
+        self._attempt: str | None = None
+        self.log.write("start", {"drafter": drafter, "rank": rank, "world": world_size, "base": base,
+                                 "base_step": base_step, "pid": os.getpid()}, flush=True)
+
+    def stepped(self, step: int, seqs: Sequence[int]) -> None:
+        self.log.write("step", {"drafter": self.drafter, "rank": self.rank, "step": step, "seqs": list(seqs)})
+
+    def checkpoint(self, what: Any, trained: dict[int, list[int]], cursors: Sequence[int],
+                   trained_above: Sequence[Sequence[int]]) -> LedgerCheckpoint:
+        """Log the checkpoint about to be written (flushed now) and return `what` carrying the record's id.
+
+        `trained`: every seq the group trained since the previous checkpoint, per node, repeats included."""
+        for node, seqs in trained.items():
+            self._pending.setdefault(int(node), []).extend(int(s) for s in seqs)
+        self._count += 1
+        record_id = f"{self.drafter}:{self.log.incarnation}:{what.step}:{self._count}"
+        self.log.write("checkpoint", {
+            "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(what.step),
+            "trained": {str(n): s for n, s in sorted(self._pending.items())},
+            "cursors": list(cursors), "trained_above": [list(a) for a in trained_above],
+        }, flush=True)
+        self._attempt = record_id
+        return LedgerCheckpoint(what, record_id)
+
+    def saved(self, step: int) -> None:
+        """The save returned: its record becomes the parent of the next one."""
+        if self._attempt is not None:
+            self.parent, self._attempt, self._pending = self._attempt, None, {}
+        self.log.write("saved", {"drafter": self.drafter, "rank": self.rank, "id": self.parent, "step": step},
+                       flush=True)
+
+    def close(self) -> None:
+        self.log.close()

@@ -1,0 +1,263 @@
+"""Check a run's job log (common/accounting.py): did each drafter train every sample once?
+
+    python -m common.accounting_check RUN_DIR [--json]      exit 0 when every drafter's lineage is exact
+
+For each drafter: start from the checkpoint `latest` points at, read the ledger id it carries, walk the
+chain of checkpoint records back to a fresh start and collect the seqs trained along it. Then:
+  - duplicates: a seq trained twice in the lineage, or a sample trained twice within one epoch;
+  - missing: a seq below the final cursor that the lineage never trained (so its samples were lost);
+  - every seq in the lineage was delivered by the producer to this drafter, always with the same samples;
+  - every epoch the lineage covers entirely holds exactly the plan's sample set (count and digest);
+  - crash losses: steps that crashed incarnations trained after their last checkpoint; each must be in the
+    lineage exactly once (trained again after resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.accounting import ACCOUNTING_DIR, ledger_id_of, sample_digest
+
+LATEST = "latest"  # consumer/checkpoint.py's pointer file (common never imports a role)
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class DrafterReport:
+    drafter: str
+    final_checkpoint: str | None = None
+    final_step: int = 0
+    lineage_checkpoints: int = 0
+    trained_batches: int = 0
+    duplicate_batches: int = 0
+    duplicate_samples: int = 0
+    missing_batches: int = 0
+    lost_samples: int = 0
+    undelivered_batches: int = 0  # trained, but the producer's log has no such delivery to this drafter
+    epochs_complete: int = 0  # epochs whose every seq is in the lineage: checked against the plan's sample set
+    epochs_mismatched: int = 0
+    complete: bool = False  # the lineage reaches the end of the plan on every node
+    crash_lost_batches: int = 0  # trained by incarnations after their last checkpoint, lost with them
+    crash_lost_retrained: int = 0  # of those, trained (once) in the final lineage
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not (self.duplicate_batches or self.duplicate_samples or self.missing_batches
+                                        or self.lost_samples or self.undelivered_batches or self.epochs_mismatched)
+
+
+@dataclass
+class AccountingReport:
+    drafters: dict[str, DrafterReport]
+    records: int
+    torn_lines: int  # a last line cut short by a kill: skipped
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(d.ok for d in self.drafters.values())
+
+    @property
+    def duplicates(self) -> int:
+        return sum(d.duplicate_batches + d.duplicate_samples for d in self.drafters.values())
+
+    @property
+    def lost_samples(self) -> int:
+        return sum(d.lost_samples for d in self.drafters.values())
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "records": self.records, "torn_lines": self.torn_lines, "errors": self.errors,
+                "duplicates": self.duplicates, "lost_samples": self.lost_samples,
+                "drafters": {k: {**asdict(v), "ok": v.ok} for k, v in self.drafters.items()}}
+
+
+def read_records(run_dir: Path) -> tuple[list[dict], int]:
+    """Every record of every incarnation, each tagged with its file ("src"); torn last lines are counted."""
+    records, torn = [], 0
+    for path in sorted((run_dir / ACCOUNTING_DIR).glob("*.jsonl")):
+        lines = path.read_text().split("\n")
+        for i, line in enumerate(lines):
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                if i >= len(lines) - 2:  # the last line of a file whose writer was killed mid-write
+                    torn += 1
+                    continue
+                raise ValueError(f"{path}:{i + 1}: not a JSON record: {line[:120]!r}") from None
+            rec["src"] = path.name
+            records.append(rec)
+    return records, torn
+
+
+def final_ledger_id(ckpt_root: Path) -> tuple[str | None, int, str | None]:
+    """(ledger id, step, checkpoint name) of the checkpoint `latest` points at; (None, 0, None) if none."""
+    pointer = ckpt_root / LATEST
+    if not pointer.is_file():
+        return None, 0, None
+    name = pointer.read_text().strip()
+    state = torch.load(ckpt_root / name / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    return ledger_id_of(state), int(state["step"]), name
+
+
+def check_run(run_dir: str | Path) -> AccountingReport:
+    run_dir = Path(run_dir)
+    records, torn = read_records(run_dir)
+    report = AccountingReport({}, len(records), torn)
+    plans = _plans(records, report.errors)
+    deliveries = _deliveries(records, report.errors)
+    drafters = sorted({r["drafter"] for r in records if r["kind"] in ("start", "checkpoint")} |
+                      {p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir()})
+    for drafter in drafters:
+        report.drafters[drafter] = _check_drafter(run_dir, drafter, records, plans, deliveries)
+    return report
+
+
+def _plans(records: list[dict], errors: list[str]) -> dict[int, dict]:
+    plans: dict[int, dict] = {}
+    for r in records:
+        if r["kind"] != "plan":
+            continue
+        key = {k: r[k] for k in ("total_batches", "epochs", "samples", "digest")}
+        if r["node"] in plans and plans[r["node"]] != key:
+            errors.append(f"node {r['node']}: producer incarnations logged different plans ({r['src']})")
+        plans.setdefault(r["node"], key)
+    return plans
+
+
+def _deliveries(records: list[dict], errors: list[str]) -> dict[tuple[int, int], tuple[int, tuple, set[str]]]:
+    """(node, seq) -> (epoch, samples, drafters it went to); a seq re-sent with other samples is an error."""
+    out: dict[tuple[int, int], tuple[int, tuple, set[str]]] = {}
+    for r in records:
+        if r["kind"] != "batch":
+            continue
+        key, samples = (r["node"], r["seq"]), tuple(r["samples"])
+        prev = out.get(key)
+        if prev is not None and (prev[0], prev[1]) != (r["epoch"], samples):
+            errors.append(f"node {r['node']} seq {r['seq']}: delivered twice with different samples")
+        drafters = prev[2] if prev else set()
+        drafters.update(to[0] for to in r["to"])
+        out[key] = (r["epoch"], samples, drafters)
+    return out
+
+
+def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict[int, dict],
+                   deliveries: dict) -> DrafterReport:
+    rep = DrafterReport(drafter)
+    mine = [r for r in records if r.get("drafter") == drafter]
+    by_id = {r["id"]: r for r in mine if r["kind"] == "checkpoint"}
+    try:
+        final_id, rep.final_step, rep.final_checkpoint = final_ledger_id(run_dir / "checkpoints" / drafter)
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        rep.errors.append(f"cannot read the final checkpoint: {err}")
+        return rep
+    if rep.final_checkpoint is not None and final_id is None:
+        rep.errors.append(f"{rep.final_checkpoint} carries no ledger id: it was written without accounting")
+        return rep
+    lineage, seen, node_seqs = [], set(), defaultdict(list)
+    rid = final_id
+    while rid is not None:
+        rec = by_id.get(rid)
+        if rec is None or rid in seen:
+            rep.errors.append(f"lineage broken: no checkpoint record {rid!r}" if rec is None else f"cycle at {rid}")
+            return rep
+        seen.add(rid)
+        lineage.append(rec)
+        rid = rec["parent"]
+    rep.lineage_checkpoints = len(lineage)
+    for rec in reversed(lineage):
+        for node, seqs in rec["trained"].items():
+            node_seqs[int(node)].extend(seqs)
+    final_cursors = lineage[0]["cursors"] if lineage else []
+    rep.complete = bool(final_cursors) and all(
+        n in plans and c >= plans[n]["total_batches"] for n, c in enumerate(final_cursors))
+    for node, seqs in sorted(node_seqs.items()):
+        _check_node(rep, drafter, node, seqs, final_cursors, plans.get(node), deliveries)
+    _check_crash_losses(rep, mine, node_seqs)
+    return rep
+
+
+def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cursors: list[int],
+                plan: dict | None, deliveries: dict) -> None:
+    counts = Counter(seqs)
+    rep.trained_batches += len(seqs)
+    rep.duplicate_batches += sum(c - 1 for c in counts.values() if c > 1)
+    cursor = cursors[node] if node < len(cursors) else 0
+    missing = [s for s in range(cursor) if s not in counts]
+    rep.missing_batches += len(missing)
+    for s in missing:
+        got = deliveries.get((node, s))
+        rep.lost_samples += len(got[1]) if got else 1  # never delivered: at least one sample
+    if plan is None:
+        rep.errors.append(f"node {node}: no plan record from its producer")
+        return
+    per_epoch: dict[int, Counter] = defaultdict(Counter)
+    for s, times in counts.items():
+        got = deliveries.get((node, s))
+        if got is None or drafter not in got[2]:
+            rep.undelivered_batches += 1
+            continue
+        per_epoch[got[0]].update(dict.fromkeys(got[1], times))
+    for e in plan["epochs"]:
+        samples = per_epoch.get(e["epoch"], Counter())
+        rep.duplicate_samples += sum(c - 1 for c in samples.values() if c > 1)
+        span = range(e["first_seq"], e["first_seq"] + e["batches"])
+        if all(s in counts for s in span):
+            rep.epochs_complete += 1
+            if len(samples) != plan["samples"] or sample_digest(samples) != plan["digest"]:
+                rep.epochs_mismatched += 1
+                rep.errors.append(f"node {node} epoch {e['epoch']}: {len(samples)} distinct samples trained,"
+                                  f" the plan has {plan['samples']} (or another set)")
+
+
+def _check_crash_losses(rep: DrafterReport, mine: list[dict], node_seqs: dict[int, list[int]]) -> None:
+    """Steps an incarnation trained after its last successful save, when it did not end cleanly."""
+    by_src: dict[str, list[dict]] = defaultdict(list)
+    for r in mine:
+        by_src[r["src"]].append(r)
+    in_lineage = Counter(s for seqs in node_seqs.values() for s in seqs)
+    for recs in by_src.values():
+        saved = max((r["step"] for r in recs if r["kind"] == "saved"), default=-1)
+        lost = [s for r in recs if r["kind"] == "step" and r["step"] > saved for s in r["seqs"]]
+        rep.crash_lost_batches += len(lost)
+        rep.crash_lost_retrained += sum(in_lineage[s] == 1 for s in lost)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m common.accounting_check", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        report = check_run(args.run_dir)
+    except (OSError, ValueError) as err:
+        print(f"{args.run_dir}: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        for d in report.drafters.values():
+            state = "ok" if d.ok else "FAILED"
+            print(f"{d.drafter}: {state}: {d.trained_batches} batches in {d.lineage_checkpoints} checkpoints up to"
+                  f" {d.final_checkpoint}, {d.epochs_complete} whole epochs verified, duplicates"
+                  f" {d.duplicate_batches}/{d.duplicate_samples} (batches/samples), missing {d.missing_batches},"
+                  f" lost samples {d.lost_samples}, lost in crashes {d.crash_lost_batches} (retrained"
+                  f" {d.crash_lost_retrained}){'; complete' if d.complete else ''}")
+            for e in d.errors:
+                print(f"    {e}")
+        for e in report.errors:
+            print(f"error: {e}")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

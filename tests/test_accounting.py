@@ -1,0 +1,180 @@
+"""The job log and its checker: a simulated run of crashes, failed saves and resumes, and what it must catch."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.accounting import DeliveryLedger, JobLog, TrainLedger, ledger_id_of
+from common.accounting_check import check_run, main
+
+# a plan of 2 epochs × 6 batches over samples 0..11, two samples a batch (epoch 1 in another order)
+EPOCHS = {0: [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)],
+          1: [(5, 2), (11, 0), (7, 9), (1, 3), (10, 4), (6, 8)]}
+TOTAL = 12
+
+
+def samples_of(seq):
+    return EPOCHS[seq // 6][seq % 6]
+
+
+class FakeTrainer:
+    def __init__(self, step=0):
+        self.step = step
+
+    def state_dict(self):
+        return {"step": self.step}
+
+
+class FakeRun:
+    """A producer that delivers in order, and consumers whose 'checkpoints' are trainer_state.pt files."""
+
+    def __init__(self, root: Path, drafters=("d0",)):
+        self.root = root
+        self.producer = DeliveryLedger(root, 0, TOTAL, [6, 6], range(12))
+        self.session = 0
+        self.drafters = drafters
+
+    def deliver(self, seq, drafter="d0"):
+        self.session += 1
+        self.producer.delivered(seq, seq // 6, samples_of(seq), [(drafter, 0, self.session)])
+
+    def consumer(self, drafter="d0"):
+        return FakeConsumer(self, drafter)
+
+    def check(self):
+        self.producer.log.flush()
+        return check_run(self.root)
+
+
+class FakeConsumer:
+    def __init__(self, run: FakeRun, drafter: str):
+        self.run, self.drafter = run, drafter
+        self.ckpts = run.root / "checkpoints" / drafter
+        base, step = None, 0
+        if (self.ckpts / "latest").exists():
+            state = torch.load(self.ckpts / (self.ckpts / "latest").read_text().strip() / "trainer_state.pt")
+            base, step = ledger_id_of(state), state["step"]
+        self.trainer = FakeTrainer(step)
+        self.ledger = TrainLedger(run.root, drafter, 0, 1, base=base, base_step=step)
+        self.since_save: list[int] = []
+
+    def train(self, seq):
+        self.run.deliver(seq, self.drafter)
+        self.trainer.step += 1
+        self.since_save.append(seq)
+        self.ledger.stepped(self.trainer.step, [seq])
+
+    def save(self, fail=False):
+        what = self.ledger.checkpoint(self.trainer, {0: self.since_save}, [max(self.since_save) + 1], [[]])
+        self.since_save = []
+        if fail:  # ENOSPC before the rename: nothing on disk, `saved` never called
+            return
+        name = f"step_{self.trainer.step}"
+        (self.ckpts / name).mkdir(parents=True, exist_ok=True)
+        torch.save(what.state_dict(), self.ckpts / name / "trainer_state.pt")
+        (self.ckpts / "latest").write_text(name + "\n")
+        self.ledger.saved(self.trainer.step)
+
+    def crash(self):
+        self.ledger.log.flush()  # what a periodic flush had written before the kill
+
+
+def test_crash_resume_and_failed_save_train_every_sample_once(tmp_path):
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    for s in range(4):
+        a.train(s)
+    a.save()  # step 4
+    for s in range(4, 7):
+        a.train(s)
+    a.crash()  # 4, 5, 6 lost with it
+    b = run.consumer()
+    for s in range(4, 8):
+        b.train(s)
+    b.save(fail=True)  # disk full: 4..7 stay pending, the parent stays step 4
+    for s in range(8, 12):
+        b.train(s)
+    b.save()
+    b.ledger.close()
+    report = run.check()
+    d0 = report.drafters["d0"]
+    assert report.ok, report.to_dict()
+    assert (d0.trained_batches, d0.duplicate_batches, d0.missing_batches, d0.lost_samples) == (12, 0, 0, 0)
+    assert d0.complete and d0.epochs_complete == 2 and d0.lineage_checkpoints == 2
+    assert (d0.crash_lost_batches, d0.crash_lost_retrained) == (3, 3)
+
+
+def test_a_batch_trained_twice_in_the_lineage_is_a_duplicate(tmp_path):
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    for s in range(6):
+        a.train(s)
+    a.save()
+    b = run.consumer()
+    for s in range(5, 12):  # seq 5 was in the checkpoint already
+        b.train(s)
+    b.save()
+    d0 = run.check().drafters["d0"]
+    assert not d0.ok
+    assert d0.duplicate_batches == 1 and d0.duplicate_samples == 2  # samples 10, 11 of epoch 0
+
+
+def test_a_skipped_batch_is_missing_and_its_samples_lost(tmp_path):
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    run.deliver(2)  # delivered, never trained
+    for s in [0, 1, 3, 4, 5, 6]:
+        a.train(s)
+    a.save()
+    d0 = run.check().drafters["d0"]
+    assert (d0.missing_batches, d0.lost_samples, d0.epochs_complete) == (1, 2, 0)
+    assert not d0.ok
+
+
+def test_checkpoint_without_ledger_id_and_broken_lineage_are_errors(tmp_path):
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    a.train(0)
+    a.save()
+    torch.save({"step": 1}, tmp_path / "checkpoints" / "d0" / "step_1" / "trainer_state.pt")
+    assert "no ledger id" in run.check().drafters["d0"].errors[0]
+    torch.save({"step": 1, "ledger": {"id": "d0:gone:1:1"}}, tmp_path / "checkpoints" / "d0" / "step_1" /
+               "trainer_state.pt")
+    assert "lineage broken" in run.check().drafters["d0"].errors[0]
+
+
+def test_undelivered_seq_and_torn_last_line(tmp_path):
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    a.trainer.step += 1
+    a.since_save.append(0)  # trained without a delivery record
+    a.save()
+    with open(a.ledger.log.path, "a") as f:
+        f.write('{"kind": "step", "dra')  # a kill in the middle of a write
+    report = run.check()
+    assert report.torn_lines == 1 and report.drafters["d0"].undelivered_batches == 1
+
+
+def test_joblog_buffers_until_flush_and_cli_reports_json(tmp_path, capsys):
+    log = JobLog(tmp_path, "producer", "n0", flush_s=3600)
+    log.write("batch", {"seq": 1})
+    assert log.path.read_text() == ""
+    log.write("plan", {"node": 0}, flush=True)
+    assert [json.loads(li)["kind"] for li in log.path.read_text().splitlines()] == ["batch", "plan"]
+    log.close()
+    run = FakeRun(tmp_path / "run")
+    a = run.consumer()
+    for s in range(12):
+        a.train(s)
+    a.save()
+    run.producer.close()
+    assert main([str(tmp_path / "run"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["duplicates"] == 0 and doc["drafters"]["d0"]["trained_batches"] == 12
+
+
+def test_plan_must_match_total(tmp_path):
+    with pytest.raises(ValueError, match="the epochs hold 5 batches"):
+        DeliveryLedger(tmp_path, 0, 6, [5], range(3))
