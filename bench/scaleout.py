@@ -1,6 +1,6 @@
 """Drafter-step throughput with 1 and 2 replicas of one drafter, fed by one producer, on the CPU.
 
-    .venv/bin/python -m bench.scaleout [--epochs N] [--json]
+    .venv/bin/python -m bench.scaleout [--epochs N] [--quick] [--json]
 
 Each variant runs the real processes (one producer, R consumers forming a gloo group over loopback, every
 process with one torch thread) on the same data, and measures the group's trained tokens per second from
@@ -149,8 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.scaleout", description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=240, help="synthetic chats in the data set")
     ap.add_argument("--epochs", type=int, default=2, help="passes over the data per variant")
+    ap.add_argument("--quick", action="store_true", help="one epoch per variant (a shorter, noisier window)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.epochs = 1
     with tempfile.TemporaryDirectory(prefix="dfs-assets-") as tmp:
         assets = build_assets(Path(tmp), args.records)
         results = {}

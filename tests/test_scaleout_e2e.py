@@ -104,25 +104,46 @@ def seqs_of(*traces: list[dict]) -> list[int]:
 
 
 def test_two_replicas_hold_identical_parameters_and_train_the_stream_exactly_once(assets, tmp_path):
-    job = write_job(assets, drafters=drafter(2), name="rep2")  # 85 batches: odd, one replica joins idle
-    run, port = job.parent, free_port()
-    logs = [tmp_path / n for n in ("p.log", "c0.log", "c1.log")]
-    traces = [tmp_path / f"t{r}.jsonl" for r in range(2)]
-    procs = [producer(job, logs[0])] + [consumer(job, logs[1 + r], traces[r], port, replica=r, replicas=2)
-                                        for r in range(2)]
-    assert finish(procs) == [0, 0, 0], tail(*logs)
-    total = planned(logs[0])
+    """Two replicas, one producer; SIGTERM to one replica stops the whole group at a step boundary with a
+    checkpoint (both exit 0), and the restarted group finishes the stream: every batch once, parameters
+    identical after every step. 85 batches: odd, so a replica joins a step with nothing."""
+    job = write_job(assets, drafters=drafter(2), name="rep2")
+    run = job.parent
+    ckpts = run / "checkpoints" / "d0"
+    plog = tmp_path / "p.log"
+    logs = [[tmp_path / f"c{r}-{k}.log" for r in range(2)] for k in range(2)]
+    traces = [[tmp_path / f"t{r}-{k}.jsonl" for r in range(2)] for k in range(2)]
+    prod = producer(job, plog)
+    port = free_port()
+    first = [consumer(job, logs[0][r], traces[0][r], port, replica=r, replicas=2) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while (ck := load_latest(ckpts)) is None or ck.step < 10:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in first), tail(plog, *logs[0])
+            time.sleep(0.1)
+        first[1].send_signal(signal.SIGTERM)  # one replica only: the group stops together
+        assert finish(first, timeout=60) == [0, 0], tail(*logs[0])
+        stopped = load_latest(ckpts)
+        port = free_port()
+        second = [consumer(job, logs[1][r], traces[1][r], port, replica=r, replicas=2) for r in range(2)]
+        assert finish([*second, prod]) == [0, 0, 0], tail(plog, *logs[1])
+    finally:
+        for p in [prod, *first]:
+            p.kill()
+    total = planned(plog)
     assert total % 2 == 1
-    tr = [read_trace(t) for t in traces]
-    assert_identical_replicas(tr)
-    assert seqs_of(*tr) == list(range(total))  # the producer's whole stream, no batch twice
-    samples = sorted(s for t in tr for row in t for s in row["samples"])
+    before, after = ([read_trace(t) for t in traces[k]] for k in range(2))
+    assert_identical_replicas(before)
+    assert_identical_replicas(after)
+    assert len(before[0]) == stopped.step and after[0][0]["step"] == stopped.step + 1  # no step lost
+    assert seqs_of(*before, *after) == list(range(total))  # the producer's whole stream, no batch twice
+    samples = sorted(s for t in before + after for row in t for s in row["samples"])
     assert samples == list(range(SAMPLES))
-    assert any(not row["seqs"] for t in tr for row in t)  # a replica joined a step idle (odd count)
-    ckpt = load_latest(run / "checkpoints" / "d0")
-    assert ckpt.step == len(tr[0]) and ckpt.state["group"]["cursors"] == [total]
-    assert ckpt.state["last_seq"] == total - 1
-    c0, c1 = logs[1].read_text(), logs[2].read_text()
+    assert any(not row["seqs"] for t in after for row in t)  # a replica joined a step idle (odd count)
+    final = load_latest(ckpts)
+    assert final.step == len(after[0]) + stopped.step and final.state["group"]["cursors"] == [total]
+    assert final.state["last_seq"] == total - 1
+    c0, c1 = logs[1][0].read_text(), logs[1][1].read_text()
     assert "checkpoint at step" in c0 and "checkpoint at step" not in c1  # rank 0 alone writes
     assert "allreduce_wait" in c0 and "allreduce_wait" in c1  # the wait at the all-reduce is profiled
 

@@ -133,6 +133,7 @@ def worker(rank: int, port: int, data: str, out: str) -> None:
     group.close()
 
 
+@pytest.mark.slow
 def test_two_gloo_replicas_step_exactly_like_one_trainer_over_both_batches(tmp_path):
     """Σw·CE / Σw over the group: batches of different weight, summed, equal one trainer's accumulated
     step (anchors cover every position, so no randomness differs); a step where one replica has no batch
