@@ -150,3 +150,16 @@ def test_killed_telemetry_is_restarted_and_training_continues(assets):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_demo_job_runs_end_to_end_in_its_quick_form(tmp_path):
+    """`./launch.sh` with no job: demo assets, the pipeline training two drafters, speculative decoding."""
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DEMO_QUICK": "1",
+           "DEMO_RUN_DIR": str(tmp_path / "demo")}
+    out = subprocess.run([str(ROOT / "launch.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("launch.sh: started") == 4  # telemetry, producer, two drafters
+    for drafter in ("d_b8", "d_b16"):
+        assert load_latest(tmp_path / "demo" / "checkpoints" / drafter) is not None
+        assert f"{drafter}: block" in out.stdout
+    assert out.stdout.count("lossless                       yes") == 2
