@@ -23,6 +23,7 @@ from pathlib import Path
 import zmq
 
 from common.protocol import MAX_MESSAGE_BYTES, Heartbeat, Hello, Message, ProtocolError, decode, encode
+from common.security import CurveClient, CurveServer, IpcFile, serve_curve, use_curve
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class _Channel:
         self._last_seen: dict[bytes, float] = {}  # peers whose heartbeats we expect
         self._last_tick = time.monotonic()
         self._last_stall = -1.0  # monotonic time the last stall was noticed
+        self.stalls = 0  # stalls noticed so far: a session that saw one may have been fenced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}-io", daemon=True)
 
@@ -130,7 +132,12 @@ class _Channel:
             now = time.monotonic()
             if now - self._last_tick > self.heartbeat_timeout_s / 2:
                 self._last_stall = now
+                self.stalls += 1
                 log.warning("this process stalled for %.1f s (stopped or starved)", now - self._last_tick)
+                # we could hear nobody while stopped: that silence was ours, so every peer gets a fresh timeout
+                # (a woken consumer must not declare a live producer lost; the producer tells it if it was fenced)
+                for peer in self._last_seen:
+                    self._last_seen[peer] = now
             self._last_tick = now
             if self._wake_rx in events:
                 with contextlib.suppress(zmq.Again):
@@ -185,7 +192,8 @@ class _Channel:
                 continue
             self.counters.received += 1
             self._on_message(peer, msg, now)
-            if not isinstance(msg, Heartbeat):
+            # a heartbeat from a peer we do not follow (fenced while stopped) goes up: it is told to re-attach
+            if not isinstance(msg, Heartbeat) or peer not in self._last_seen:
                 self._inbox.put(Received(peer, msg, now))
 
     def _on_message(self, peer: bytes, msg: Message, now: float) -> None:
@@ -222,19 +230,25 @@ class ProducerChannel(_Channel):
     """The producer's ROUTER. A consumer becomes a heartbeat peer when it says HELLO; it is lost (fenced)
     when it misses heartbeats; `forget(peer)` drops one that said BYE."""
 
-    def __init__(self, endpoint: str, heartbeat_interval_s: float, heartbeat_timeout_s: float):
+    def __init__(self, endpoint: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                 curve: CurveServer | None = None):
+        """`curve`: authenticate every connection with CURVE, admitting only the job's client keys (tcp)."""
         ctx = zmq.Context()
         sock = _socket(ctx, zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._auth = serve_curve(sock, ctx, curve) if curve is not None else None
         self._lock_fd = _lock_ipc_endpoint(endpoint)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as err:
             sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             ctx.term()
             raise RuntimeError(f"cannot bind the control endpoint {endpoint}: {err.strerror}") from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_file = IpcFile(self.endpoint)
         super().__init__(sock, ctx, heartbeat_interval_s, heartbeat_timeout_s)
         self.start()
 
@@ -250,7 +264,10 @@ class ProducerChannel(_Channel):
         super()._on_message(peer, msg, now)
 
     def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
         super().close()
+        self._ipc_file.remove()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
 
@@ -259,10 +276,13 @@ class ConsumerChannel(_Channel):
     """A consumer's DEALER. The producer counts as lost once it has spoken and then falls silent for the
     heartbeat timeout; before it first speaks, the caller's own wait (attach timeout) applies."""
 
-    def __init__(self, endpoint: str, identity: str, heartbeat_interval_s: float, heartbeat_timeout_s: float):
+    def __init__(self, endpoint: str, identity: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                 curve: CurveClient | None = None):
         ctx = zmq.Context()
         sock = _socket(ctx, zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+        if curve is not None:
+            use_curve(sock, curve)
         sock.connect(endpoint)
         super().__init__(sock, ctx, heartbeat_interval_s, heartbeat_timeout_s)
         self.start()

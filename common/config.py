@@ -6,6 +6,7 @@ key (dotted path) and the reason, so a bad job fails at start, not halfway throu
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import tomllib
@@ -71,6 +72,7 @@ class TransportConfig(_Section):
     endpoint: Literal["ipc", "tcp"] = "ipc"
     tcp_host: str = "127.0.0.1"
     tcp_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    curve: bool | None = None  # CURVE-authenticate the tcp endpoint; unset: on unless tcp_host is loopback
     heartbeat_interval_s: Annotated[float, Field(gt=0)] = 1.0
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     attach_timeout_s: Annotated[float, Field(gt=0)] = 600.0  # producer waits this long for every group
@@ -83,7 +85,19 @@ class TransportConfig(_Section):
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice"
                 f" heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
+        if self.curve and self.endpoint != "tcp":
+            raise ValueError("curve = true needs endpoint = 'tcp' (an ipc endpoint is guarded by its 0700 folder)")
+        if self.curve is False and self.endpoint == "tcp" and not is_loopback(self.tcp_host):
+            raise ValueError(f"curve = false with tcp_host {self.tcp_host!r}: an endpoint outside loopback requires"
+                             " CURVE authentication (leave curve unset or set it true)")
         return self
+
+    @property
+    def use_curve(self) -> bool:
+        """Whether the control endpoint authenticates connections with CURVE (common/security.py)."""
+        if self.endpoint != "tcp":
+            return False
+        return self.curve if self.curve is not None else not is_loopback(self.tcp_host)
 
 
 class DrafterConfig(_Section):
@@ -233,6 +247,16 @@ def required_slot_bytes(tokens: int, feature_width: int, dtype: str, max_sequenc
         + aligned((seqs + 1) * 4)  # cu_seqlens int32
         + aligned(seqs * 8)  # sample ids int64
     )
+
+
+def is_loopback(host: str) -> bool:
+    """A host that only this machine can reach: 127.0.0.0/8, ::1 or "localhost" (a name or "*" is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _format_error(source: str, err: ValidationError) -> str:

@@ -31,6 +31,9 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (*_DTYPE_NAMES, "bool")}
 _MAX_DIMS = 8
 _UNSEALED = object()  # a CUDA slot written since its last write_event
+# Optional layout entry: int64 [1], the seq a slot holds. The producer sets it to -1 before rewriting a slot
+# and to the batch's seq after; a consumer reads it after copying, so a slot reused under it is detected.
+SEQ_TAG = "seq_tag"
 
 
 class RingError(RuntimeError):

@@ -17,7 +17,8 @@ from common.accounting import TrainLedger, ledger_id_of
 from common.config import ConfigError, dflash_layer_ids, load_job
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
-from consumer.checkpoint import load_latest, save_checkpoint
+from common.storage import StorageError, check_room
+from consumer.checkpoint import checkpoint_bytes, load_latest, save_checkpoint
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
 from consumer.service import EXIT_GROUP_LOST, ConsumerService
 from consumer.stream import BatchStream
@@ -91,6 +92,12 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
     layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof)
     ckpt_root = job.run_paths.checkpoints(cfg.name)
+    if group.is_writer:  # a read-only or full disk is a clear error now, not a lost checkpoint hours later
+        try:
+            check_room(ckpt_root, checkpoint_bytes(trainer), f"drafter {cfg.name}'s checkpoint folder")
+        except StorageError as err:
+            log.error("%s", err)
+            return 2
 
     def latest():
         ckpt = load_latest(ckpt_root)

@@ -12,16 +12,21 @@ A checkpoint is written into a temporary directory next to its final place, fsyn
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from common.config import DTYPE_BYTES
+from common.storage import free_bytes
 from consumer.model import DrafterArch
 from consumer.target_parts import TargetParts
 
@@ -99,10 +104,50 @@ def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: di
 KEEP_LAST = 3  # older step_<N> directories are removed once a newer checkpoint is complete
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (disk full, read-only, ...); the previous one is intact."""
+
+
+def checkpoint_bytes(trainer) -> int:
+    """About what one checkpoint of `trainer` takes on disk, from its parameter count: the export (trained
+    weights in the export dtype) and trainer_state.pt (the model state as held plus Adam's two moments)."""
+    held = sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
+    trained = sum(p.numel() for p in trainer.params)
+    return int(1.1 * (held + trained * (DTYPE_BYTES[trainer.cfg.dtype] + 8))) + (1 << 20)
+
+
 def save_checkpoint(ckpt_root: str | Path, trainer, keep_last: int = KEEP_LAST) -> Path:
     """Write <ckpt_root>/step_<trainer.step>/ atomically and point `latest` at it; returns its path.
-    Keeps the newest `keep_last` checkpoints, so a long run does not fill the disk."""
+    Keeps the newest `keep_last` checkpoints, so a long run does not fill the disk.
+
+    A failed write raises CheckpointWriteError naming the folder, the free space and the checkpoint that
+    stays current."""
     root = Path(ckpt_root)
+    try:
+        return _save(root, trainer, keep_last)
+    except (OSError, SafetensorError, RuntimeError) as err:  # safetensors and torch.save do not raise OSError
+        raise _write_error(root, trainer, err) from err
+
+
+def _write_error(root: Path, trainer, err: Exception) -> CheckpointWriteError:
+    try:
+        free = free_bytes(root)
+    except OSError:
+        free = None
+    code = getattr(err, "errno", None)
+    if code is None:  # "... (os error 28)" from safetensors; nothing at all from torch.save's "file write failed"
+        found = re.search(r"os error (\d+)", str(err))
+        code = int(found[1]) if found else errno.ENOSPC if free is not None and free < checkpoint_bytes(trainer) \
+            else errno.EIO
+    pointer = root / LATEST
+    current = pointer.read_text().strip() if pointer.is_file() else "none"
+    reason = os.strerror(code) if code != errno.EIO else f"{type(err).__name__}: {err}"
+    room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    return CheckpointWriteError(code, f"cannot write checkpoint step_{trainer.step} in {root}: {reason} ({room});"
+                                      f" the previous checkpoint ({current}) is intact and stays current")
+
+
+def _save(root: Path, trainer, keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{trainer.step}"
     final = root / name

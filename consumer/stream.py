@@ -18,7 +18,8 @@ from common.channel import ConsumerChannel, PeerLost
 from common.config import JobConfig
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome, describe
-from common.ring import RingError, SlotRing, layout_from_wire
+from common.ring import SEQ_TAG, RingError, SlotRing, layout_from_wire
+from common.security import client_curve, private_dir
 
 log = logging.getLogger("consumer")
 
@@ -69,14 +70,20 @@ class BatchStream:
         self.resume_seq = resume_seq
         self.prof = prof
         t = job.transport
+        private_dir(job.run_paths.sockets)  # never talk through a folder another user controls
         endpoint = job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else self._tcp_endpoint()
-        self.channel = ConsumerChannel(endpoint, f"{drafter}.{replica}", t.heartbeat_interval_s, t.heartbeat_timeout_s)
+        curve = client_curve(job.run_paths) if t.use_curve else None  # the producer made the keys before binding
+        self.channel = ConsumerChannel(endpoint, f"{drafter}.{replica}", t.heartbeat_interval_s, t.heartbeat_timeout_s,
+                                       curve=curve)
         self.ring: SlotRing | None = None
         self.epoch = -1
         self.dropped_stale = 0  # batches discarded because this process stalled past the fence bound
+        self.dropped_reused = 0  # batches discarded because their slot held another batch by the time we read it
         self.reattached = 0
         self.last_copy_s = 0.0  # copy-out time of the last batch, so callers can tell waiting from copying
         self._buffers: dict[str, torch.Tensor] = {}
+        self._session_stalls = 0  # the channel's stall count when this session began
+        self._tag = torch.empty(1, dtype=torch.int64, pin_memory=device.type == "cuda")  # the slot's seq tag
 
     def _tcp_endpoint(self) -> str:
         path = self.job.run_paths.sockets / "control.endpoint"
@@ -102,7 +109,7 @@ class BatchStream:
             if isinstance(ev, PeerLost):
                 raise ProducerLost(f"producer lost while attaching: {ev.reason}")
             msg = ev.msg
-            if isinstance(msg, Fail):
+            if isinstance(msg, Fail) and msg.fatal:
                 raise ConsumerRejected(f"producer refused {self.drafter}.r{self.replica}: {msg.reason}")
             if isinstance(msg, Welcome):
                 break
@@ -114,6 +121,7 @@ class BatchStream:
                 self.channel.send(Fail(f"cannot attach the ring: {err}"))
                 raise ConsumerRejected(f"cannot attach the producer's ring: {err}") from err
         self.epoch = msg.epoch
+        self._session_stalls = self.channel.stalls
         self.channel.send(Attached(self.epoch))
         log.info("%s.r%d attached (session %d, %s ring of %d × %.1f MiB), resuming at seq %d", self.drafter,
                  self.replica, self.epoch, msg.transport, msg.num_slots, msg.slot_bytes / 2**20, resume)
@@ -151,15 +159,25 @@ class BatchStream:
             log.error("batch %d: bad layout from the producer (%s); releasing it untouched", msg.seq, err)
             self._release(msg)
             return None
+        tag = views.pop(SEQ_TAG, None)
         out = {name: self._buffer(name, v).copy_(v, non_blocking=True) for name, v in views.items()}
+        if tag is not None:  # read after the data: a rewrite begun before this read has already changed it
+            self._tag.copy_(tag, non_blocking=True)
         if self.ring.kind == "cuda" or self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
             done.synchronize()  # the slot may be reused once released: the reads must be complete
-        if self.channel.stalled_since(received_at):
-            # we may have been fenced while stopped and the slot rewritten under us: trust nothing
+        if self.channel.stalled_since(received_at) or self.channel.stalls != self._session_stalls:
+            # we may have been fenced while stopped and the slot rewritten under us: trust nothing of this
+            # session, even a batch that reached us after we woke (it may have been sent before the fence)
             self.dropped_stale += 1
             self._reattach("this process stalled past the heartbeat bound")
+            return None
+        if tag is not None and int(self._tag[0]) != msg.seq:  # host memory: no device sync
+            self.dropped_reused += 1
+            log.error("batch %d: slot %d holds seq tag %d, so it was reused before we read it; dropping the"
+                      " batch and re-attaching", msg.seq, msg.slot, int(self._tag[0]))
+            self._reattach("a slot was reused under this session")
             return None
         self._release(msg)
         self.last_copy_s = time.perf_counter() - start

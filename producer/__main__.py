@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 
 from transformers import AutoTokenizer
 
+from common.accounting import DeliveryLedger
 from common.config import ConfigError, JobConfig, load_job
 from common.profile import ProfileStats
 from common.ring import RingError
 from common.stats import StatsPublisher
+from common.storage import StorageError, check_writable
 from producer.data import ChatEncoder, DataError, JsonlDataset
 from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
@@ -77,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
     try:
         job = load_job(args.job)
+        check_writable(job.run_paths.root, "run folder")
         job.run_paths.make()
         if os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
             shutil.copyfile(args.job, job.run_paths.job_copy)
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
                              job.target.device, job.target.attn_implementation)
         dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
-    except (ConfigError, TargetLoadError, DataError) as err:
+    except (ConfigError, StorageError, TargetLoadError, DataError) as err:
         log.error("%s", err)
         return 2
     log.info("target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s", job.target.path,
@@ -94,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     prof = ProfileStats() if interval > 0 else None
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", "producer", interval, prof) if prof else None
     try:
+        ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),
+                                [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist())
         service = ProducerService(
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches), len(plan),
-            ring_name=f"{job.job.name}-n{args.node_rank}", prof=prof, stats=stats,
+            ring_name=f"{job.job.name}-n{args.node_rank}", prof=prof, stats=stats, ledger=ledger,
         )
-    except (RingError, RuntimeError) as err:  # no room in /dev/shm, the job already running, ...
+    except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)
         return 2
     try:

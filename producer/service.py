@@ -15,11 +15,13 @@ from typing import Protocol
 
 import torch
 
+from common.accounting import DeliveryLedger
 from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig, required_slot_bytes
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
-from common.ring import DTYPES, SlotRing, TensorSpec, layout_to_wire, plan_layout
+from common.ring import DTYPES, SEQ_TAG, SlotRing, TensorSpec, layout_to_wire, plan_layout
+from common.security import private_dir, server_curve
 from common.slot_table import SlotTable
 from producer.delivery import Delivery
 from producer.target import TargetCapture
@@ -57,6 +59,7 @@ def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: 
         ("input_ids", "int64", (tokens,)),
         ("loss_mask", "uint8", (tokens,)),
         ("cu_seqlens", "int32", (sequences + 1,)),
+        (SEQ_TAG, "int64", (1,)),  # fits the slot's sample-id allowance (common.config.required_slot_bytes)
     ])
 
 
@@ -71,32 +74,43 @@ class ProducerService:
         ring_name: str,
         prof: ProfileStats | None = None,
         stats: StatsSink | None = None,
+        ledger: DeliveryLedger | None = None,
     ):
+        """`ledger`: the job log every delivered batch is appended to (common/accounting.py)."""
         self.job = job
         self.target = target
         self.batches_from = batches_from
         self.prof = prof
         self.stats = stats
+        self.ledger = ledger
         self.counters = ProducerCounters()
         self.feature_dtype = str(target.dtype).removeprefix("torch.")
         assert self.feature_dtype in DTYPES
         slot_bytes = job.transport.slot_bytes or required_slot_bytes(
             job.data.tokens_per_batch, target.feature_width, self.feature_dtype
         )
+        t = job.transport
+        private_dir(job.run_paths.sockets)  # whoever can write there can talk to us: this user alone
+        curve = server_curve(job.run_paths) if t.use_curve else None
         self.ring = SlotRing.create(
             job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.device
         )
         self.table = SlotTable(job.transport.slots)
         self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group)
-        t = job.transport
-        self.channel = ProducerChannel(job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else
-                                       f"tcp://{t.tcp_host}:{t.tcp_port or '*'}",
-                                       t.heartbeat_interval_s, t.heartbeat_timeout_s)
+        try:
+            self.channel = ProducerChannel(job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else
+                                           f"tcp://{t.tcp_host}:{t.tcp_port or '*'}",
+                                           t.heartbeat_interval_s, t.heartbeat_timeout_s, curve=curve)
+        except BaseException:
+            self.ring.close()  # a producer that cannot listen must not leave its ring in /dev/shm
+            raise
         (job.run_paths.sockets / "control.endpoint").write_text(self.channel.endpoint)
         self._stop_reason: str | None = None
         self._ended_peers: set[bytes] = set()
         self._stream: Generator[PackedBatch, None, None] | None = None
         self._stream_next = -1
+        self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
+        self._abandoned: list[str] = []  # groups the job ended without (skip mode, none came back in time)
         log.info("ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
                  job.transport_kind, t.slots, self.ring.slot_bytes / 2**20, self.channel.endpoint, total_batches)
 
@@ -108,7 +122,7 @@ class ProducerService:
                 return 2
             while self._stop_reason is None:
                 self._handle_messages(timeout_s=0)
-                if self.delivery.finished():
+                if self._finished():
                     break
                 seq = self.delivery.next_seq()
                 if seq is None:  # a group without members holds us back (block mode)
@@ -122,7 +136,8 @@ class ProducerService:
                 self._publish(slot, batch, layout)
                 if self.stats:
                     self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
-            return self._finish()
+            status = self._finish()
+            return 1 if self._abandoned else status
         finally:
             self.close()
 
@@ -145,6 +160,7 @@ class ProducerService:
         tokens, seqs = int(batch.input_ids.shape[0]), int(batch.cu_seqlens.shape[0]) - 1
         layout = slot_layout(tokens, seqs, self.target.feature_width, self.feature_dtype)
         views = self.ring.view(slot, layout)
+        views[SEQ_TAG].fill_(-1)  # before any write: a consumer still reading this slot sees it change
         with self._timer("forward"):
             self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
         with self._timer("write_slot"):
@@ -152,6 +168,7 @@ class ProducerService:
             views["input_ids"].copy_(batch.input_ids, non_blocking=cuda)
             views["loss_mask"].copy_(batch.loss_mask, non_blocking=cuda)
             views["cu_seqlens"].copy_(batch.cu_seqlens, non_blocking=cuda)
+            views[SEQ_TAG].fill_(batch.seq)
             self.ring.write_event(slot)
         while not self.ring.is_written(slot):  # CUDA: poll the event, keep serving messages meanwhile
             self._handle_messages(timeout_s=0.0005)
@@ -168,6 +185,8 @@ class ProducerService:
             self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, batch.epoch, wire,
                                             list(batch.sample_ids), int(batch.input_ids.shape[0]), num_loss))
         self.table.publish(slot, batch.seq, [m.peer for m in members])
+        if self.ledger:
+            self.ledger.delivered(batch.seq, batch.epoch, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in members])
         self.channel.last_seq = batch.seq
         self.counters.batches += 1
         self.counters.tokens += int(batch.input_ids.shape[0])
@@ -270,6 +289,28 @@ class ProducerService:
         self.channel.send(peer, Fail("fenced: unknown session, send HELLO again", fatal=False))
 
     # ------------------------------------------------------------------------------------ start, end
+    def _finished(self) -> bool:
+        """Every group has all its batches; or (skip mode) every unfinished group is gone and none came back
+        within transport.attach_timeout_s. Skip mode must not end the job just because every consumer is
+        restarting at the same moment: their groups would never get the rest of the data."""
+        if not self.delivery.finished():
+            self._unattended_since = None
+            return False
+        unfinished = [g.drafter for g in self.delivery.groups.values() if not g.ended]
+        if not unfinished:
+            return True
+        now, timeout = time.monotonic(), self.job.transport.attach_timeout_s
+        if self._unattended_since is None:
+            self._unattended_since = now
+            log.warning("no consumer attached for unfinished drafter(s) %s; waiting up to %.0f s"
+                        " (transport.attach_timeout_s) for one to come back", unfinished, timeout)
+        if now - self._unattended_since <= timeout:
+            return False
+        log.error("no consumer of drafter(s) %s came back within %.0f s: ending the job without their remaining"
+                  " batches", unfinished, timeout)
+        self._abandoned = unfinished
+        return True
+
     def _wait_for_groups(self) -> bool:
         """Every group needs an attached member before the first batch (skip mode: as many as came in time)."""
         deadline = time.monotonic() + self.job.transport.attach_timeout_s
@@ -320,6 +361,8 @@ class ProducerService:
             self._stream.close()
         self.channel.close()
         self.ring.close()
+        if self.ledger:
+            self.ledger.close()
 
     # ------------------------------------------------------------------------------------ plumbing
     def _install_signal_handlers(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from common.config import JobConfig
+from common.security import IpcFile
 from common.stats import MAX_PAYLOAD_BYTES, TOPIC_PREFIX, StatsDecodeError, decode_stats, ingest_endpoint
 from telemetry.aggregate import Aggregator, metric_name, source_prefix
 from telemetry.nvml import NvmlSampler
@@ -43,6 +44,7 @@ class TelemetryService:
         self.ingest.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
         self.ingest.bind(ingest_endpoint(job.run_paths))
         self.republisher = Republisher(self.context, republish_endpoint(job))
+        self._socket_files = [IpcFile(ingest_endpoint(job.run_paths)), IpcFile(republish_endpoint(job))]
         self.jsonl = JsonlSink(paths.metrics_jsonl)
         self.wandb = None
         if self.cfg.wandb_mode != "disabled":
@@ -105,6 +107,8 @@ class TelemetryService:
         self.jsonl.close()
         self.republisher.close()
         self.ingest.close()
+        for f in self._socket_files:  # libzmq leaves bound ipc files behind
+            f.remove()
 
     def handle(self, frames: list[bytes], now: float) -> None:
         """Decode and aggregate one message; every failure is counted and logged sparingly."""

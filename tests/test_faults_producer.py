@@ -1,0 +1,156 @@
+"""Regressions in the producer: skip mode with every consumer gone, and the slot's seq tag."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import load_job
+from common.ring import SEQ_TAG
+from consumer.stream import BatchStream, ReceivedBatch, StreamEnd
+from producer.service import ProducerService, slot_layout
+from tests.procs.transport_pair import FakeTarget, make_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = """
+[job]
+name = "{name}"
+run_dir = "{run_dir}"
+[target]
+path = "unused"
+[data]
+path = "unused"
+max_length = 64
+tokens_per_batch = 64
+[transport]
+slots = 3
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 1.0
+attach_timeout_s = {attach}
+on_dead_group = "skip"
+[[drafters]]
+name = "d0"
+"""
+
+
+@pytest.fixture
+def skip_job():
+    made = []
+
+    def make(attach: float) -> Path:
+        run_dir = Path(tempfile.mkdtemp(prefix="dfp-", dir="/tmp"))
+        made.append(run_dir)
+        path = run_dir / "job.toml"
+        path.write_text(JOB.format(name=f"skip-{run_dir.name[4:]}", run_dir=run_dir, attach=attach))
+        return path
+
+    yield make
+    for d in made:
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def start_producer(job_path: Path, batches: int) -> tuple[subprocess.Popen, Path]:
+    out = job_path.parent / "producer.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.procs.transport_pair", "producer", str(job_path),
+                             str(batches), str(out)], cwd=ROOT, env=env)
+    ready = job_path.parent / "sockets" / "control.endpoint"  # written once the producer listens
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the producer did not start"
+        time.sleep(0.05)
+    return proc, out
+
+
+def take(stream: BatchStream, n: int | None) -> list[int]:
+    """Seqs of the next `n` batches (None: until END)."""
+    seqs = []
+    while n is None or len(seqs) < n:
+        item = stream.next(timeout_s=30)
+        assert item is not None, "no batch for 30 s"
+        if isinstance(item, StreamEnd):
+            break
+        assert isinstance(item, ReceivedBatch)
+        seqs.append(item.seq)
+    return seqs
+
+
+def session(job, resume: int, n: int | None) -> list[int]:
+    stream = BatchStream(job, "d0", 0, torch.device("cpu"), lambda: resume)
+    try:
+        stream.connect()
+        seqs = take(stream, n)
+        stream.bye("test", seqs[-1] if seqs else -1)
+        assert stream.dropped_reused == 0  # every slot carried the seq its BATCH named
+    finally:
+        stream.close()
+    return seqs
+
+
+def test_skip_mode_waits_for_a_consumer_when_every_group_is_gone(skip_job):
+    """Found by the soak: with on_dead_group = "skip", the producer ended the job ("data exhausted", exit 0)
+    the moment every consumer was gone at once, e.g. all restarting, though most batches were never made."""
+    job_path = skip_job(attach=60)
+    job = load_job(job_path)
+    proc, out = start_producer(job_path, 30)
+    try:
+        assert session(job, 0, 5) == [0, 1, 2, 3, 4]
+        time.sleep(2.0)
+        assert proc.poll() is None, "the producer ended the job while its only group was away"
+        assert session(job, 5, None) == list(range(5, 30))  # the replacement resumes and gets the rest
+        assert proc.wait(timeout=60) == 0
+        assert json.loads(out.read_text())["status"] == 0
+    finally:
+        proc.kill()
+
+
+def test_skip_mode_gives_up_after_the_attach_timeout_with_a_failure_status(skip_job):
+    job_path = skip_job(attach=3)
+    job = load_job(job_path)
+    proc, _out = start_producer(job_path, 30)
+    try:
+        assert session(job, 0, 3) == [0, 1, 2]
+        assert proc.wait(timeout=60) == 1  # the job did not train everything: not a success
+    finally:
+        proc.kill()
+
+
+def test_the_seq_tag_is_invalid_while_a_slot_is_rewritten_and_names_the_batch_after(skip_job):
+    job = load_job(skip_job(attach=60))
+    job.run_paths.make()
+    seen = []
+
+    class WatchingTarget(FakeTarget):
+        def forward(self, input_ids, cu_seqlens, out):
+            layout = slot_layout(input_ids.numel(), cu_seqlens.numel() - 1, self.feature_width, "float32")
+            seen.append(int(service.ring.view(1, layout)[SEQ_TAG][0]))  # what a late reader of slot 1 sees
+            return super().forward(input_ids, cu_seqlens, out)
+
+    service = ProducerService(job, WatchingTarget(), lambda s: iter(()), 1, ring_name=f"tag-{job.job.name}")
+    try:
+        for seq in (7, 8):
+            batch = make_batch(seq, 64)
+            layout = service._write_slot(1, batch)
+            assert int(service.ring.view(1, layout)[SEQ_TAG][0]) == seq
+        assert seen == [-1, -1]  # invalidated before the forward wrote a byte, for a fresh and a reused slot
+    finally:
+        service.close()
+
+
+def test_a_producer_that_cannot_listen_leaves_no_ring_behind(skip_job):
+    job = load_job(skip_job(attach=60))
+    job.run_paths.make()
+    first = ProducerService(job, FakeTarget(), lambda s: iter(()), 1, ring_name=f"a-{job.job.name}")
+    try:
+        with pytest.raises(RuntimeError, match="another producer"):
+            ProducerService(job, FakeTarget(), lambda s: iter(()), 1, ring_name=f"b-{job.job.name}")
+        assert not Path(f"/dev/shm/dflash-ring-b-{job.job.name}").exists()
+    finally:
+        first.close()
+    assert not Path(f"/dev/shm/dflash-ring-a-{job.job.name}").exists()
