@@ -1,6 +1,8 @@
 """Check a run's job log (common/accounting.py): did each drafter train every sample once?
 
-    python -m common.accounting_check RUN_DIR [--json]      exit 0 when every drafter's lineage is exact
+    python -m common.accounting_check RUN_DIR [--logs-from OTHER_RUN_DIR ...] [--json]
+        exit 0 when every drafter's lineage is exact; a multi-node job without a shared run folder passes
+        the other nodes' run folders with --logs-from (their producers' logs; checkpoints are node 0's)
 
 For each drafter: start from the checkpoint `latest` points at, read the ledger id it carries, walk the
 chain of checkpoint records back to a fresh start and collect the seqs trained along it. Then:
@@ -79,10 +81,10 @@ class AccountingReport:
                 "drafters": {k: {**asdict(v), "ok": v.ok} for k, v in self.drafters.items()}}
 
 
-def read_records(run_dir: Path) -> tuple[list[dict], int]:
+def read_records(run_dirs: list[Path]) -> tuple[list[dict], int]:
     """Every record of every incarnation, each tagged with its file ("src"); torn last lines are counted."""
     records, torn = [], 0
-    for path in sorted((run_dir / ACCOUNTING_DIR).glob("*.jsonl")):
+    for path in sorted(p for d in run_dirs for p in (d / ACCOUNTING_DIR).glob("*.jsonl")):
         lines = path.read_text().split("\n")
         for i, line in enumerate(lines):
             if not line:
@@ -109,9 +111,10 @@ def final_ledger_id(ckpt_root: Path) -> tuple[str | None, int, str | None]:
     return ledger_id_of(state), int(state["step"]), name
 
 
-def check_run(run_dir: str | Path) -> AccountingReport:
+def check_run(run_dir: str | Path, logs_from: list[str | Path] = ()) -> AccountingReport:
+    """Check the run in `run_dir` (its checkpoints and job log), adding the job logs found in `logs_from`."""
     run_dir = Path(run_dir)
-    records, torn = read_records(run_dir)
+    records, torn = read_records([run_dir, *map(Path, logs_from)])
     report = AccountingReport({}, len(records), torn)
     plans = _plans(records, report.errors)
     deliveries = _deliveries(records, report.errors)
@@ -235,10 +238,12 @@ def _check_crash_losses(rep: DrafterReport, mine: list[dict], node_seqs: dict[in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m common.accounting_check", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
+    ap.add_argument("--logs-from", nargs="*", default=[], metavar="RUN_DIR",
+                    help="other nodes' run folders whose job logs belong to this job")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     try:
-        report = check_run(args.run_dir)
+        report = check_run(args.run_dir, args.logs_from)
     except (OSError, ValueError) as err:
         print(f"{args.run_dir}: {err}", file=sys.stderr)
         return 2

@@ -178,3 +178,24 @@ def test_joblog_buffers_until_flush_and_cli_reports_json(tmp_path, capsys):
 def test_plan_must_match_total(tmp_path):
     with pytest.raises(ValueError, match="the epochs hold 5 batches"):
         DeliveryLedger(tmp_path, 0, 6, [5], range(3))
+
+
+def test_two_nodes_without_a_shared_folder_are_checked_together(tmp_path):
+    node_dirs = [tmp_path / "n0", tmp_path / "n1"]
+    for node, d in enumerate(node_dirs):
+        p = DeliveryLedger(d, node, 2, [2], [10 * node, 10 * node + 1])
+        p.delivered(0, 0, [10 * node], [("d0", 0, 1)])
+        p.delivered(1, 0, [10 * node + 1], [("d0", 0, 1)])
+        p.close()
+    consumer = TrainLedger(node_dirs[0], "d0", 0, 2, base=None, base_step=0)
+    consumer.trainer = FakeTrainer(2)
+    what = consumer.checkpoint(consumer.trainer, {0: [0, 1], 1: [0, 1]}, [2, 2], [[], []])
+    (node_dirs[0] / "checkpoints" / "d0" / "step_2").mkdir(parents=True)
+    torch.save(what.state_dict(), node_dirs[0] / "checkpoints" / "d0" / "step_2" / "trainer_state.pt")
+    (node_dirs[0] / "checkpoints" / "d0" / "latest").write_text("step_2\n")
+    consumer.saved(2)
+    consumer.close()
+    alone = check_run(node_dirs[0]).drafters["d0"]
+    assert "node 1: no plan record from its producer" in alone.errors
+    both = check_run(node_dirs[0], [node_dirs[1]]).drafters["d0"]
+    assert both.ok and both.complete and both.epochs_complete == 2 and both.trained_batches == 4

@@ -1,0 +1,269 @@
+"""Fault-injection soak: a small job on the CPU under a seeded chaos thread, then an exactly-once audit.
+
+    .venv/bin/python -m bench.soak --duration 600 --seed 1 --json
+
+The processes are driven directly, as systemd runs them (deploy/systemd): a consumer that exits non-zero
+is restarted after RESTART_S (Restart=on-failure), telemetry always; launch.sh would instead tear the job
+down when a consumer dies. Faults, one at a time, each followed by a wait for recovery:
+  consumer_kill      SIGKILL a random consumer; it is restarted and resumes from its checkpoint
+  consumer_stop      SIGSTOP a consumer for 2× the heartbeat timeout, then SIGCONT: the producer fences it,
+                     it must drop what it was sent and re-attach, never training on a slot reused meanwhile
+  telemetry_kill     SIGKILL telemetry; it is restarted, training never notices
+  hostile_control    malformed, oversized and stale messages to the producer's control socket
+  hostile_telemetry  malformed and oversized messages to telemetry's ingest socket
+  checkpoint_enospc  the drafter d1's checkpoint folder is a tmpfs; fill it so the next save fails with a
+                     real ENOSPC, check the previous checkpoint still loads, free it; the consumer restarts
+Recovery time: from the fault's effect (kill, SIGCONT, the failed save's exit, the last hostile message)
+to the affected process being back in service (the producer attached the consumer again; telemetry wrote a
+window with every source live; the producer delivered again). A recovered consumer must also train a step:
+`max_training_resumed_s` reports that, which includes waiting while a group that fell behind catches up.
+At the end every process is stopped with SIGTERM and the job log is audited (common/accounting_check.py).
+The last stdout line (with --json) is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from bench.soak_faults import fill, hostile_control, hostile_telemetry, mount_tmpfs, unfill, unmount
+from bench.soak_procs import JobWatch, Supervisor, build_job
+from common.accounting_check import check_run
+from common.config import load_job
+
+KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
+         "checkpoint_enospc")
+RECOVERY_TIMEOUT_S = 180.0
+ENOSPC_DRAFTER = "d1"
+
+
+class Chaos:
+    def __init__(self, sup: Supervisor, watch: JobWatch, rng: random.Random, kinds: tuple[str, ...],
+                 stop_s: float, log):
+        self.sup, self.watch, self.rng, self.kinds, self.stop_s, self.log = sup, watch, rng, kinds, stop_s, log
+        self.faults: dict[str, int] = defaultdict(int)
+        self.recoveries: dict[str, int] = defaultdict(int)
+        self.recovery_s: dict[str, list[float]] = defaultdict(list)
+        self.failures: list[str] = []
+        self.notes: dict[str, int] = defaultdict(int)
+        self.training_resumed_s: list[float] = []  # consumer faults: until the next step (other groups may lag)
+
+    def run(self, until: float, min_each: int, stop: threading.Event) -> None:
+        order: list[str] = []
+        while not stop.is_set():
+            done_min = all(self.faults[k] >= min_each for k in self.kinds)
+            if time.monotonic() >= until and done_min:
+                return
+            if not order:
+                order = list(self.kinds)
+                self.rng.shuffle(order)
+            kind = order.pop()
+            stop.wait(self.rng.uniform(1.0, 3.0))
+            self.faults[kind] += 1
+            self.log(f"fault {sum(self.faults.values())}: {kind}")
+            try:
+                took = getattr(self, kind)()
+            except Exception as err:  # a failed injection is a finding, not a crash of the soak
+                self.failures.append(f"{kind}: {type(err).__name__}: {err}")
+                self.log(f"  FAILED: {err}")
+                continue
+            self.recoveries[kind] += 1
+            self.recovery_s[kind].append(took)
+            self.log(f"  recovered in {took:.1f} s")
+
+    # ---------------------------------------------------------------------------------- faults
+    def _back(self, name: str, since: float, pid: int | None = None, not_pid: int | None = None) -> float:
+        """Seconds from `since` until the producer attached `name` again; then it must train a step too."""
+        attached = self.watch.wait_attached(name, after=since, pid=pid, not_pid=not_pid, timeout=RECOVERY_TIMEOUT_S)
+        trained = self.watch.wait_step(name, after=attached, not_pid=not_pid, timeout=RECOVERY_TIMEOUT_S)
+        self.training_resumed_s.append(trained - since)
+        return attached - since
+
+    def consumer_kill(self) -> float:
+        name = self.rng.choice(self.sup.consumers)
+        pid = self.sup.procs[name].pid
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return self._back(name, t0, not_pid=pid)
+
+    def consumer_stop(self) -> float:
+        name = self.rng.choice(self.sup.consumers)
+        proc = self.sup.procs[name]
+        fence_line = f"fenced {name.removeprefix('consumer-')}.r0"
+        fenced, reattached = self.watch.count("producer", fence_line), self.watch.count(name, "re-attaching")
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(self.stop_s + self.rng.uniform(0, 1))
+        t1 = time.time()
+        os.kill(proc.pid, signal.SIGCONT)
+        took = self._back(name, t1, pid=proc.pid)
+        if self.watch.count("producer", fence_line) <= fenced:
+            raise AssertionError(f"{name} was stopped {self.stop_s:.0f} s but the producer did not fence it")
+        if self.watch.count(name, "re-attaching") > reattached:
+            self.notes["stopped_consumer_reattached"] += 1
+        return took
+
+    def telemetry_kill(self) -> float:
+        pid = self.sup.procs["telemetry"].pid
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return self.watch.wait_window(after=t0, sources=1 + len(self.sup.consumers), timeout=RECOVERY_TIMEOUT_S) - t0
+
+    def hostile_control(self) -> float:
+        before = self.watch.count("producer", "rejected a message")
+        self.notes["control_messages_sent"] += hostile_control(self.watch.control_endpoint())
+        t0 = time.time()
+        took = max(self.watch.wait_delivery(after=t0, timeout=RECOVERY_TIMEOUT_S) - t0, 0.0)
+        if not self.sup.procs["producer"].alive():
+            raise AssertionError("the producer died of hostile messages")
+        self.notes["control_messages_rejected"] += self.watch.count("producer", "rejected a message") - before
+        return took
+
+    def hostile_telemetry(self) -> float:
+        telemetry = self.sup.procs["telemetry"]
+        pid, before = telemetry.pid, self.watch.telemetry_decode_errors()
+        self.notes["stats_messages_sent"] += hostile_telemetry(self.watch.ingest_endpoint())
+        t0 = time.time()
+        took = self.watch.wait_window(after=t0, sources=1, timeout=RECOVERY_TIMEOUT_S) - t0
+        if telemetry.pid != pid or any(p == pid for _t, p, _status in telemetry.exits):
+            raise AssertionError(f"telemetry (pid {pid}) died of hostile messages")
+        self.notes["stats_messages_rejected"] += self.watch.telemetry_decode_errors() - before
+        return max(took, 0.0)
+
+    def checkpoint_enospc(self) -> float:
+        name = f"consumer-{ENOSPC_DRAFTER}"
+        folder = self.watch.ckpt_dir(ENOSPC_DRAFTER)
+        before = self.watch.latest_checkpoint(ENOSPC_DRAFTER)
+        proc = self.sup.procs[name]
+        pid = proc.pid
+        fill(folder, leave_bytes=16 * 1024)
+        try:
+            exited = proc.wait_exit(pid, timeout=RECOVERY_TIMEOUT_S)  # the next periodic save fails
+        finally:
+            unfill(folder)
+        t_fail = exited
+        if "No space left on device" not in self.watch.tail(name, 60):
+            raise AssertionError(f"{name} exited, but its log does not name ENOSPC")
+        after = self.watch.latest_checkpoint(ENOSPC_DRAFTER)
+        if before is not None and (after is None or after[1] < before[1]):
+            raise AssertionError(f"the checkpoint before the full disk ({before}) is gone: now {after}")
+        self.notes["enospc_previous_checkpoint_intact"] += 1
+        return self._back(name, t_fail, not_pid=pid)
+
+
+def leaked(run_dir: Path, job_name: str) -> tuple[list[str], list[str]]:
+    """Ring files of this job left in /dev/shm, socket files left in the run's sockets/ folder."""
+    shm = sorted(str(p) for p in Path("/dev/shm").glob(f"dflash-ring-{job_name}-*"))
+    socks = sorted(str(p) for p in (run_dir / "sockets").iterdir() if stat.S_ISSOCK(p.lstat().st_mode))
+    return shm, socks
+
+
+def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int, keep: bool, log) -> dict:
+    rng = random.Random(seed)
+    root = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
+    job_path = build_job(root, seed)
+    job = load_job(job_path)
+    run_dir = job.run_paths.root
+    tmpfs = job.run_paths.checkpoints(ENOSPC_DRAFTER)
+    enospc = "checkpoint_enospc" in kinds
+    if enospc:
+        mount_tmpfs(tmpfs, 512)
+    sup = Supervisor(job, job_path, log)
+    watch = JobWatch(job, sup)
+    stop = threading.Event()
+    chaos = Chaos(sup, watch, rng, kinds, stop_s=2 * job.transport.heartbeat_timeout_s + 0.5, log=log)
+    started = time.monotonic()
+    result: dict = {"seed": seed, "enospc_method": "tmpfs (mount -t tmpfs, real ENOSPC)" if enospc else None}
+    try:
+        sup.start()
+        for name in sup.consumers:
+            watch.wait_step(name, after=0.0, timeout=RECOVERY_TIMEOUT_S)
+        log(f"job up in {time.monotonic() - started:.0f} s; chaos for {duration_s:.0f} s")
+        chaos.run(time.monotonic() + duration_s, min_each, stop)
+        t_calm = time.time()
+        for name in sup.consumers:  # every drafter trains again before the end
+            watch.wait_step(name, after=t_calm, timeout=RECOVERY_TIMEOUT_S)
+        result["exit_codes"] = sup.stop_all()
+    finally:
+        stop.set()
+        sup.kill_all()
+    report = check_run(run_dir)
+    if enospc:
+        unmount(tmpfs)
+    shm, socks = leaked(run_dir, job.job.name)
+    recs = [t for v in chaos.recovery_s.values() for t in v]
+    result.update({
+        "duration_s": round(time.monotonic() - started, 1),
+        "faults": dict(chaos.faults),
+        "recoveries": dict(chaos.recoveries),
+        "failed_faults": chaos.failures,
+        "max_recovery_s": round(max(recs, default=0.0), 2),
+        "max_recovery_s_by_kind": {k: round(max(v), 2) for k, v in chaos.recovery_s.items()},
+        "max_training_resumed_s": round(max(chaos.training_resumed_s, default=0.0), 2),
+        "batches_trained": {d: r.trained_batches for d, r in report.drafters.items()},
+        "epochs_verified": {d: r.epochs_complete for d, r in report.drafters.items()},
+        "duplicates": report.duplicates,
+        "lost_samples": report.lost_samples,
+        "missing_batches": sum(r.missing_batches for r in report.drafters.values()),
+        "lost_in_crashes_then_retrained": {d: [r.crash_lost_batches, r.crash_lost_retrained]
+                                           for d, r in report.drafters.items()},
+        "restarts": sup.restart_counts(),
+        "stale_batches_dropped": watch.count_all("re-attaching: this process stalled"),
+        "reused_slot_batches_dropped": watch.count_all("so it was reused before we read it"),
+        "notes": dict(chaos.notes),
+        "leaked_shm": len(shm),
+        "leaked_sockets": len(socks),
+        "accounting_errors": report.errors + [f"{d}: {e}" for d, r in report.drafters.items() for e in r.errors],
+    })
+    result["ok"] = bool(
+        report.ok and not shm and not socks and not chaos.failures
+        and all(chaos.faults[k] == chaos.recoveries[k] >= min_each for k in kinds)
+        and all(code == 0 for code in result.get("exit_codes", {"none": 1}).values())
+    )
+    if not keep and result["ok"]:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        result["run_dir"] = str(run_dir)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=90.0, help="seconds of chaos (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
+    ap.add_argument("--min-each", type=int, default=1, help="inject every kind at least this often")
+    ap.add_argument("--keep", action="store_true", help="keep the run folder (it is kept anyway on failure)")
+    ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    args = ap.parse_args(argv)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    if "checkpoint_enospc" in kinds and os.geteuid() != 0:
+        ap.error("checkpoint_enospc mounts a tmpfs and needs root; leave it out with --kinds")
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[soak {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    result = run_soak(args.duration, args.seed, kinds, args.min_each, args.keep, log)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
