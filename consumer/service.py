@@ -112,6 +112,9 @@ class ConsumerService:
         except NonFiniteTrainingError as err:
             log.error("%s: %s", self.name, err)
             return self._finish(EXIT_FAILED, "non-finite training", save=False)
+        except OSError as err:  # a periodic checkpoint could not be written (disk full, read-only, ...)
+            log.error("%s: %s", self.name, err)
+            return self._finish(EXIT_FAILED, "checkpoint write failed", save=False)
         finally:
             self.stream.close()
             if self.trace:

@@ -23,6 +23,12 @@ def tiny_assets(cache_dir: Path) -> Path:
     return _ASSETS[key]
 
 
+def remove_ring(job: Path, node: int = 0) -> None:
+    """Remove the /dev/shm ring a SIGKILLed producer of this job left behind (a restart would remove it)."""
+    name = next(li for li in job.read_text().splitlines() if li.startswith("name")).split('"')[1]
+    Path(f"/dev/shm/dflash-ring-{name}-n{node}").unlink(missing_ok=True)
+
+
 def write_job(assets: Path, *, drafters: str = '[[drafters]]\nname = "d0"\n', extra: str = "",
               tokens_per_batch: int = 512, epochs: int = 1, name: str = "tiny") -> Path:
     """A job file in a fresh short run dir under /tmp (ipc paths must stay under 107 characters)."""

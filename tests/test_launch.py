@@ -12,7 +12,7 @@ import pytest
 
 from consumer.checkpoint import load_latest
 from telemetry.wandb_reader import find_run_file, read_history
-from tests.jobs import tiny_assets, write_job
+from tests.jobs import remove_ring, tiny_assets, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_JOB = """
@@ -129,6 +129,7 @@ def test_killed_producer_tears_the_group_down_with_its_status(assets):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        remove_ring(job)
 
 
 def test_killed_telemetry_is_restarted_and_training_continues(assets):

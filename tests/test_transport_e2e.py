@@ -43,6 +43,7 @@ def job(request):
     path = run_dir / "job.toml"
     path.write_text(JOB.format(name=name, run_dir=run_dir))
     yield path, run_dir
+    Path(f"/dev/shm/dflash-ring-test-{name}").unlink(missing_ok=True)  # left by a SIGKILLed producer
     if not os.environ.get("KEEP_TEST_RUNS"):
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
 
@@ -142,6 +143,3 @@ def test_killed_producer_makes_consumers_exit_nonzero_with_message(job):
         for p in (prod, *cons):
             p.kill()
             p.wait()
-        # a SIGKILLed producer leaves its ring behind; the next producer of the job removes it (tested in ring tests)
-        name = next(li for li in path.read_text().splitlines() if li.startswith("name")).split('"')[1]
-        Path(f"/dev/shm/dflash-ring-test-{name}").unlink(missing_ok=True)
