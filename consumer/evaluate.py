@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -257,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object, last")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = run_eval(
         args.target,
         args.drafter,

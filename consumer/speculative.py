@@ -34,10 +34,10 @@ class Drafter(Protocol):
 
 
 class TargetRunner:
-    """A frozen HF causal LM run with a KV cache, returning logits and the captured layer outputs.
+    """A frozen HF causal LM run with a KV cache, returning logits and the captured target features.
 
-    Features are the outputs of decoder layers `layer_ids` (forward hooks, as producer/target.py
-    captures them for training: HF hidden_states[i+1], un-normed even for the last layer).
+    Feature i is HF hidden_states[i+1], as producer/target.py captures it for training: the output of
+    decoder layer i, final-normed when i is the last layer (that is what HF reports for it).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
@@ -47,17 +47,21 @@ class TargetRunner:
             raise ValueError(f"target layer ids {bad} are outside the target's {len(layers)} layers")
         self.model = model.eval()
         self.layer_ids = list(layer_ids)
-        self._captured: list[Tensor] | None = None
+        self._captured: dict[int, Tensor] | None = None
         # transformers 5 renamed past_key_values to cache (the old name is deprecated)
         self._cache_kw = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
-        for i in self.layer_ids:
-            layers[i].register_forward_hook(self._hook)
+        for k, i in enumerate(self.layer_ids):
+            module = model.model.norm if i == len(layers) - 1 else layers[i]
+            module.register_forward_hook(self._hook(k))
 
-    def _hook(self, _module, _args, output) -> None:
-        if self._captured is not None:
-            self._captured.append(output[0] if isinstance(output, tuple) else output)
+    def _hook(self, k: int):
+        def hook(_module, _args, output) -> None:
+            if self._captured is not None:
+                self._captured[k] = output[0] if isinstance(output, tuple) else output  # [1, L, H]
+
+        return hook
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
@@ -65,10 +69,12 @@ class TargetRunner:
     @torch.inference_mode()
     def forward(self, ids: Tensor, cache: DynamicCache, capture: bool) -> tuple[Tensor, Tensor | None]:
         """ids [L] at the positions after the cache -> (logits [L, V], features [L, n·H] or None)."""
-        self._captured = [] if capture else None
+        self._captured = {} if capture else None
         try:
             logits = self.model(input_ids=ids[None], use_cache=True, **{self._cache_kw: cache}).logits[0]
-            feats = torch.cat([h[0] for h in self._captured], dim=-1) if capture else None
+            feats = (
+                torch.cat([self._captured[k][0] for k in range(len(self.layer_ids))], -1) if capture else None
+            )
         finally:
             self._captured = None
         return logits, feats

@@ -41,7 +41,7 @@ class DemoSize:
 
     corpus: int = 60_000  # conversations drawn; ~85% pretrain the target, the rest are held out
     held_out: int = 64  # evaluation prompts: neither the target nor the drafters train on them
-    regenerated: int = 2_500  # prompts the target never saw, answered by it: the drafters' data
+    regenerated: int = 5_000  # prompts the target never saw, answered by it: the drafters' data
     vocab: int = 1024
     shape: TargetShape = field(default_factory=lambda: TargetShape(num_layers=4))
     layer_ids: tuple[int, ...] = (1, 2, 3)  # target features fused by the drafters
@@ -49,11 +49,11 @@ class DemoSize:
     pretrain_max_steps: int = 100_000
     pretrain_batch: int = 4
     pretrain_seq: int = 256
-    pretrain_lr: float = 5e-3
+    pretrain_lr: float = 8e-3
     max_new_tokens: int = 160  # regeneration; the longest template answer is ~100 tokens
     max_length: int = 256
     tokens_per_batch: int = 2048
-    epochs: int = 3  # ~100 batches an epoch: ~300 steps, τ(B=16) ≈ 5-8 in offline trials
+    epochs: int = 2  # ~190 batches an epoch: ~380 steps; offline τ(B=16) ≈ 10, τ(B=8) ≈ 6.7
     drafter_layers: int = 2
     anchors_per_seq: int = 8
     drafter_lr: float = 3e-3

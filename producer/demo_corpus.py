@@ -40,30 +40,46 @@ SKIES = ["sunny", "rainy", "cloudy", "windy", "snowy", "foggy"]
 Task = Callable[[random.Random], tuple[str, str]]
 
 
+# Several phrasings of one request: the answer depends on the numbers only, and the larger prompt space
+# leaves enough never-trained prompts for the drafters' data and the evaluation (see split_corpus).
+COUNT_UP = ["List the numbers from {} to {}.", "Count from {} to {}.", "Write the numbers from {} up to {}."]
+COUNT_DOWN = [
+    "Count down from {} to {}.",
+    "List the numbers from {} down to {}.",
+    "Count backwards from {} to {}.",
+]
+ALPHABET = [
+    "Write the letters from {} to {}.",
+    "List the alphabet from {} to {}.",
+    "Say the letters {} to {}.",
+]
+TIMES = ["Write the {} times table from {} to {}.", "Show the {} times table from {} to {}."]
+
+
 def _count_up(rng: random.Random) -> tuple[str, str]:
     a = rng.randint(1, 90)
     b = min(99, a + rng.randint(4, 24))
-    return f"List the numbers from {a} to {b}.", ", ".join(str(i) for i in range(a, b + 1)) + "."
+    return rng.choice(COUNT_UP).format(a, b), ", ".join(str(i) for i in range(a, b + 1)) + "."
 
 
 def _count_down(rng: random.Random) -> tuple[str, str]:
     b = rng.randint(12, 99)
     a = max(0, b - rng.randint(4, 24))
-    return f"Count down from {b} to {a}.", ", ".join(str(i) for i in range(b, a - 1, -1)) + "."
+    return rng.choice(COUNT_DOWN).format(b, a), ", ".join(str(i) for i in range(b, a - 1, -1)) + "."
 
 
 def _alphabet(rng: random.Random) -> tuple[str, str]:
     letters = "abcdefghijklmnopqrstuvwxyz"
     i = rng.randint(0, 18)
     j = rng.randint(i + 5, 25)
-    return f"Write the letters from {letters[i]} to {letters[j]}.", ", ".join(letters[i : j + 1]) + "."
+    return rng.choice(ALPHABET).format(letters[i], letters[j]), ", ".join(letters[i : j + 1]) + "."
 
 
 def _times_table(rng: random.Random) -> tuple[str, str]:
     k, first = rng.randint(2, 9), rng.randint(1, 6)
     last = rng.randint(first + 4, 12)
     rows = ", ".join(f"{i} x {k} = {i * k}" for i in range(first, last + 1))
-    return f"Write the {k} times table from {first} to {last}.", rows + "."
+    return rng.choice(TIMES).format(k, first, last), rows + "."
 
 
 def _addition(rng: random.Random) -> tuple[str, str]:
@@ -164,7 +180,7 @@ def split_corpus(
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """(pretrain, drafter prompts, held-out prompts), split by prompt so no prompt is in two parts.
 
-    A stable hash sends 1/20 of the prompt space to evaluation and 2/20 to the drafters' data: both are
+    A stable hash sends 1/20 of the prompt space to evaluation and 4/20 to the drafters' data: both are
     prompts the target never trained on, so the drafters learn the target's behaviour on exactly the
     kind of prompt they are evaluated on. The last two parts hold distinct prompts, `drafter` and
     `held_out` of them; ValueError when the records hold fewer.
@@ -172,7 +188,7 @@ def split_corpus(
     parts: tuple[list[dict], dict[str, dict], dict[str, dict]] = ([], {}, {})
     for rec in records:
         bucket = prompt_bucket(prompt_of(rec))
-        if bucket >= 3:
+        if bucket >= 5:
             parts[0].append(rec)
         else:
             parts[1 if bucket else 2].setdefault(prompt_of(rec), rec)

@@ -1,6 +1,7 @@
 """Demo assets: a deterministic learnable corpus, a cached build that loads like any model, a valid job."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,10 @@ def test_examples_of_the_templates():
     for r in generate_corpus(3, 400):
         by_task.setdefault(r["task"], r["messages"])
     user, answer = (m["content"] for m in by_task["count_up"])
-    lo, hi = (int(w.rstrip(".")) for w in user.split()[-3::2])
+    lo, hi = map(int, re.findall(r"\d+", user))
     assert answer == ", ".join(str(i) for i in range(lo, hi + 1)) + "."
     user, answer = (m["content"] for m in by_task["times_table"])
-    k, first, last = (int(w.rstrip(".")) for w in (user.split()[2], user.split()[-3], user.split()[-1]))
+    k, first, last = map(int, re.findall(r"\d+", user))
     assert answer == ", ".join(f"{i} x {k} = {i * k}" for i in range(first, last + 1)) + "."
 
 
@@ -46,7 +47,7 @@ def test_split_keeps_every_prompt_in_one_part():
     parts = [{prompt_of(r) for r in part} for part in (pretrain, drafter, held)]
     assert len(drafter) == len(parts[1]) == 100 and len(held) == len(parts[2]) == 40
     assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
-    assert len(pretrain) > 0.8 * len(records)
+    assert len(pretrain) > 0.7 * len(records)
     assert split_corpus(records, 40, 100) == (pretrain, drafter, held)  # a stable hash, not hash()
     with pytest.raises(ValueError, match="distinct held-out prompts"):
         split_corpus(records[:30], 40, 0)

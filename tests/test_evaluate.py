@@ -74,6 +74,19 @@ def random_dflash(target: TargetRunner, block_size: int) -> DFlashProposer:
     return DFlashProposer(model, block_size, mask_token_id=VOCAB - 1, layer_ids=LAYER_IDS)
 
 
+def test_features_are_hf_hidden_states_including_the_normed_last_layer(target, prompts):
+    runner = TargetRunner(target.model, [0, 2, 3])  # 3 is the last layer: HF reports it final-normed
+    ids = torch.tensor(prompts[3])
+    _, feats = runner.forward(ids, runner.new_cache(), capture=True)
+    with torch.no_grad():
+        hs = target.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    assert torch.allclose(feats, torch.cat([hs[i + 1][0] for i in (0, 2, 3)], -1), atol=1e-5)
+    cache = runner.new_cache()  # incremental with a cache: the same rows
+    _, head = runner.forward(ids[:5], cache, capture=True)
+    _, tail = runner.forward(ids[5:], cache, capture=True)
+    assert torch.allclose(torch.cat([head, tail]), feats, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_random_dflash_drafter_is_lossless(target, prompts, block_size):
     report = evaluate(
