@@ -26,12 +26,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import load_job
+from producer.data import ChatEncoder
 from producer.demo_corpus import generate_corpus, split_corpus
 from producer.demo_pretrain import TargetShape, greedy_accuracy, pretrain_target
+from producer.plan import BatchPlan
 from producer.regenerate import regenerate
 from producer.tiny import train_tokenizer, write_jsonl
 
 READY = "READY"
+ASSETS_VERSION = 2  # bump when what the assets hold changes: older builds are rebuilt
 DEMO_GOAL_TAU = 3.0  # for the block-16 drafter
 
 
@@ -53,7 +56,7 @@ class DemoSize:
     max_new_tokens: int = 160  # regeneration; the longest template answer is ~100 tokens
     max_length: int = 256
     tokens_per_batch: int = 2048
-    epochs: int = 2  # ~190 batches an epoch: ~380 steps; offline τ(B=16) ≈ 10, τ(B=8) ≈ 6.7
+    epochs: int = 2  # ~370 batches an epoch (half of them small remainders of mixed-task packing)
     drafter_layers: int = 2
     anchors_per_seq: int = 8
     drafter_lr: float = 3e-3
@@ -153,6 +156,7 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
     regen_s = time.perf_counter() - t_regen
     log(f"regenerated {regen.written} answers ({regen.new_tokens} tokens) in {regen_s:.0f}s")
     report = {
+        "version": ASSETS_VERSION,
         "size": asdict(size),
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
@@ -165,27 +169,29 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
         "heldout_greedy": accuracy,
         "accuracy_seconds": accuracy_s,
         "regenerate": {"answers": regen.written, "new_tokens": regen.new_tokens, "seconds": regen_s},
-        "train_tokens": _packed_tokens(assets / "train.jsonl", tokenizer, size.max_length),
+        "train_batches": planned_batches(assets / "train.jsonl", tokenizer, size, seed),
         "build_seconds": time.perf_counter() - t0,
     }
     (assets / READY).write_text(json.dumps(report, indent=2) + "\n")  # last: its presence means complete
     return report
 
 
-def _packed_tokens(path: Path, tokenizer, max_length: int) -> int:
-    """Tokens of the regenerated training file as the producer will pack them (truncated to max_length)."""
-    total = 0
+LENGTH_GROUP_WINDOW = 1  # mixed-task batches: length-sorted windows made one-task batches and slowed learning
+
+
+def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int) -> int:
+    """How many batches the producer's plan makes of the drafters' data: the lr schedule's length."""
+    encoder = ChatEncoder(tokenizer, size.max_length)
     with path.open() as f:
-        for line in f:
-            ids = tokenizer.apply_chat_template(json.loads(line)["messages"], return_dict=False)
-            total += min(len(ids), max_length)
-    return total
+        lengths = [len(encoder.encode(json.loads(line)["messages"])[0]) for line in f]
+    plan = BatchPlan(lengths, seed, size.epochs, size.tokens_per_batch, LENGTH_GROUP_WINDOW)
+    return sum(len(plan.epoch_batches(e)) for e in range(size.epochs))
 
 
 def job_toml(run_dir: Path, size: DemoSize, report: dict, seed: int = 0) -> str:
     """The demo job: both drafters see every batch; the lr schedule spans exactly the planned batches."""
     assets = run_dir / "assets"
-    batches = max(1, round(size.epochs * report["train_tokens"] / size.tokens_per_batch))
+    batches = report["train_batches"]
     drafters = ""
     for name, block in (("d_b8", 8), ("d_b16", 16)):
         drafters += f"""
@@ -222,6 +228,7 @@ format = "chat"
 max_length = {size.max_length}
 tokens_per_batch = {size.tokens_per_batch}
 epochs = {size.epochs}
+length_group_window = {LENGTH_GROUP_WINDOW}
 
 [transport]
 kind = "cpu"
@@ -242,7 +249,8 @@ def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: in
     assets = run_dir / "assets"
     ready = assets / READY
     report = json.loads(ready.read_text()) if ready.is_file() else None
-    if report is None or report["size"] != json.loads(json.dumps(asdict(size))) or report["seed"] != seed:
+    wanted = {"version": ASSETS_VERSION, "size": json.loads(json.dumps(asdict(size))), "seed": seed}
+    if report is None or any(report.get(k) != v for k, v in wanted.items()):
         log(f"building the demo assets in {assets} ({'quick' if quick else 'full'})")
         report = build_assets(assets, size, seed, threads)
         log(f"assets built in {report['build_seconds']:.0f}s")

@@ -89,8 +89,10 @@ def test_quick_demo_builds_loadable_assets_and_a_valid_job(quick_demo):
     ready = json.loads((run_dir / "assets" / demo.READY).read_text())
     assert 0.0 <= ready["heldout_greedy"]["token_accuracy"] <= 1.0
     assert ready["pretrain"]["steps"] == demo.QUICK.pretrain_max_steps
-    for d in job.drafters:
-        assert d.total_steps >= 1
+    assert job.data.length_group_window == demo.LENGTH_GROUP_WINDOW
+    assert [d.total_steps for d in job.drafters] == [
+        ready["train_batches"]
+    ] * 2  # the lr schedule spans the plan
 
 
 def test_a_second_call_rebuilds_nothing_and_a_missing_marker_rebuilds(quick_demo, monkeypatch):
