@@ -55,6 +55,12 @@ if ((dry)); then
   exit 0
 fi
 
+# CPU threads: the cores shared out among the training processes (more threads than cores slow every step
+# down); set OMP_NUM_THREADS yourself to override.
+n_training=$(printf '%s\n' "$plan" | grep -vc '^telemetry')
+threads=$(( $(nproc) / (n_training > 0 ? n_training : 1) ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+
 declare -A name_of=() cmd_of=() log_of=() critical_of=()
 declare -a pids=()
 start() {  # name critical log cmd
