@@ -8,6 +8,7 @@ delivers either becomes a valid message or raises `ProtocolError`. Nothing is ev
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -157,6 +158,8 @@ def _check(value: Any, ann: Any, where: str) -> Any:
     if ann is float:
         if type(value) not in (float, int):
             raise ProtocolError(f"{where}: expected float, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ProtocolError(f"{where}: {value} is not a finite number")
         return float(value)
     if ann is bool:
         if type(value) is not bool:
@@ -194,9 +197,9 @@ def _check(value: Any, ann: Any, where: str) -> Any:
 
 
 def _check_scalar(value: Any, where: str) -> Scalar:
-    if value is None or type(value) in (bool, float):
+    if value is None or type(value) is bool:
         return value
-    for ann in (int, str, bytes):
+    for ann in (int, float, str, bytes):
         if type(value) is ann:
             return _check(value, ann, where)
     raise ProtocolError(f"{where}: expected a plain value, got {type(value).__name__}")

@@ -54,6 +54,12 @@ def test_wrong_version_unknown_type_and_field_count_rejected():
         decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", True, 1, "", 0, False]))  # bool is not an int here
 
 
+def test_non_finite_numbers_rejected():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ProtocolError, match="not a finite number"):
+            decode(msgpack.packb([PROTOCOL_VERSION, 6, bad, 3]))  # a Heartbeat's time
+
+
 def test_oversized_and_nested_values_rejected():
     with pytest.raises(ProtocolError, match="over"):
         decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
