@@ -87,13 +87,21 @@ def test_sigterm_checkpoints_and_exits_zero_and_stats_show_the_job(assets):
     proc = launch(job, "--grace", "60")
     try:
         wait_for(lambda: steps(run, "d0") >= 5 and steps(run, "d1") >= 5, 180, "both drafters to train")
-        stats = subprocess.run([sys.executable, "-m", "telemetry.cli", str(run), "--json", "--timeout", "10"],
-                               capture_output=True, text=True, cwd=ROOT)
-        assert stats.returncode == 0, stats.stdout + stats.stderr
-        doc = json.loads(stats.stdout)
-        live = {(p["role"], p["name"]) for p in doc["processes"] if p["state"] == "live"}
-        assert {("producer", "producer"), ("consumer", "d0_r0"), ("consumer", "d1_r0")} <= live
-        assert doc["pipeline"]["tokens_per_s"] > 0 and doc["ring"]["slots_total"] == 4
+        want = {("producer", "producer"), ("consumer", "d0_r0"), ("consumer", "d1_r0")}
+        docs = []
+
+        def all_live():  # telemetry may come up after the workers: poll the CLI until it shows all three
+            out = subprocess.run([sys.executable, "-m", "telemetry.cli", str(run), "--json", "--timeout", "10"],
+                                 capture_output=True, text=True, cwd=ROOT)
+            docs.append(out.stdout + out.stderr)
+            doc = json.loads(out.stdout) if out.stdout.strip() else {"processes": []}
+            live = {(p["role"], p["name"]) for p in doc["processes"] if p["state"] == "live"}
+            return out.returncode == 0 and want <= live and doc["pipeline"]["tokens_per_s"] > 0
+
+        wait_for(all_live, 90, "dflash-stats to show the producer and both consumers live")
+        assert json.loads(docs[-1])["ring"]["slots_total"] == 4
+        metrics = run / "telemetry" / "metrics.jsonl"
+        wait_for(lambda: '"consumer/d0_r0/loss"' in metrics.read_text(), 90, "a loss to reach telemetry")
         os.killpg(proc.pid, signal.SIGTERM)
         sent = time.monotonic()
         out, _ = proc.communicate(timeout=90)
