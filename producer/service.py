@@ -6,6 +6,7 @@ slot waits and the end of the job are the helpers below it. Every wait is a poll
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -373,22 +374,10 @@ class ProducerService:
         signal.signal(signal.SIGINT, stop)
 
     def _timer(self, key: str):
-        return self.prof.timer(key) if self.prof else _NULL_TIMER
+        return self.prof.timer(key) if self.prof else contextlib.nullcontext()
 
     def _timed_wait(self, key: str) -> None:
         start = time.perf_counter()
         self._handle_messages(timeout_s=POLL_S)
         if self.prof:
             self.prof.add(key, time.perf_counter() - start)
-
-
-class _NullTimer:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_TIMER = _NullTimer()
-
