@@ -120,6 +120,7 @@ def test_sigterm_checkpoints_and_exits_zero_and_stats_show_the_job(assets):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        remove_ring(job)
 
 
 def test_killed_producer_tears_the_group_down_with_its_status(assets):
@@ -159,6 +160,7 @@ def test_killed_telemetry_is_restarted_and_training_continues(assets):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        remove_ring(job)
 
 
 def test_the_demo_job_runs_end_to_end_in_its_quick_form(tmp_path):
