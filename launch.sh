@@ -44,7 +44,7 @@ if [[ -z $job ]]; then
   demo=1
   demo_dir=${DEMO_RUN_DIR:-$here/runs/demo}
   echo "launch.sh: no job given: preparing the embedded demo job (cached in $demo_dir)"
-  job=$("$PY" -m producer.demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit 1
+  job=$("$PY" -m demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit 1
 fi
 
 plan=$("$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes") || exit 2
@@ -141,6 +141,6 @@ trap - INT TERM
 
 if ((status == 0 && demo)); then
   echo "launch.sh: evaluating the demo drafters by speculative decoding"
-  "$PY" -m producer.demo evaluate "$job" || status=$?
+  "$PY" -m demo evaluate "$job" || status=$?
 fi
 exit "$status"

@@ -35,10 +35,10 @@ from bench.pipeline import TARGET_SHAPE
 from common.config import JobConfig, load_job
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
+from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.__main__ import build_dataset
 from producer.prefetch import PackedBatch, pack_batch
 from producer.target import TargetCapture, load_target
-from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 
 def build_assets(root: Path, chats: int) -> None:

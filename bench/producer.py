@@ -30,11 +30,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.data import ChatEncoder, JsonlDataset
 from producer.plan import BatchPlan
 from producer.prefetch import Prefetcher, pack_batch
 from producer.target import load_target
-from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 TOKENS_PER_BATCH = 2048
 MAX_LENGTH = 512

@@ -44,7 +44,7 @@ replicas = {replicas}
 
 
 def build_assets(root: Path, records: int) -> Path:
-    from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
+    from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
     chats = list(synthetic_chats(records, seed=5))
     tok = train_tokenizer(corpus_texts(chats), 400, root / "tokenizer")

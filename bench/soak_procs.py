@@ -21,7 +21,7 @@ from common.accounting import ACCOUNTING_DIR
 from common.config import JobConfig
 from common.stats import ingest_endpoint
 from consumer.checkpoint import load_latest
-from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
+from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 RESTART_S = 1.0  # systemd's RestartSec (the units use 10 s; shorter here so faults come faster)

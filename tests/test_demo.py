@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import producer.demo as demo
+import demo.job as demo
 from common.config import load_job
-from producer.demo_corpus import TASKS, generate_corpus, prompt_of, split_corpus
+from demo.corpus import TASKS, generate_corpus, prompt_of, split_corpus
 
 
 def test_corpus_is_deterministic_and_covers_every_task():

@@ -156,7 +156,7 @@ def test_a_mismatch_is_reported(target, prompts, monkeypatch):
 def test_cli_on_saved_target_and_exported_drafter(tmp_path, capsys):
     from consumer.checkpoint import export_config, write_export
     from consumer.target_parts import load_target_parts
-    from producer.tiny import build_tiny_target, train_tokenizer
+    from demo.tiny import build_tiny_target, train_tokenizer
 
     texts = [f"count {i} {i + 1} {i + 2} and say hello world" for i in range(200)]
     tok = train_tokenizer(texts, 300, tmp_path / "tok")

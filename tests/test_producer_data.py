@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
+from demo.tiny import corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.data import ChatEncoder, DataError, JsonlDataset, iter_messages
 from producer.plan import BatchPlan
 from producer.prefetch import Prefetcher
-from producer.tiny import corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.data import DataError
 from producer.regenerate import _generate, completed_lines, main, regenerate
-from producer.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")

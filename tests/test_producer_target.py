@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from demo.tiny import build_tiny_target, train_tokenizer
 from producer.target import TargetLoadError, load_target
-from producer.tiny import build_tiny_target, train_tokenizer
 
 N_LAYERS = 6
 

@@ -1,7 +1,7 @@
 """The embedded demo job: every asset built locally, then a job file that trains two drafters on it.
 
-    python -m producer.demo prepare RUN_DIR [--quick]     builds RUN_DIR/assets once, prints the job path
-    python -m producer.demo evaluate JOB.toml [--json]    speculative decoding with each trained drafter
+    python -m demo prepare RUN_DIR [--quick]     builds RUN_DIR/assets once, prints the job path
+    python -m demo evaluate JOB.toml [--json]    speculative decoding with each trained drafter
 
 Assets (RUN_DIR/assets/): corpus.jsonl (pretraining chats), prompts.jsonl (prompts the target never
 saw, for the drafters), heldout.jsonl (evaluation prompts with their reference answers), tokenizer/ and
@@ -26,12 +26,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import load_job
+from demo.corpus import generate_corpus, split_corpus
+from demo.pretrain import TargetShape, greedy_accuracy, pretrain_target
+from demo.tiny import train_tokenizer, write_jsonl
 from producer.data import ChatEncoder
-from producer.demo_corpus import generate_corpus, split_corpus
-from producer.demo_pretrain import TargetShape, greedy_accuracy, pretrain_target
 from producer.plan import BatchPlan
 from producer.regenerate import regenerate
-from producer.tiny import train_tokenizer, write_jsonl
 
 READY = "READY"
 ASSETS_VERSION = 2  # bump when what the assets hold changes: older builds are rebuilt
@@ -208,7 +208,7 @@ total_steps = {batches}
 checkpoint_every = {max(1, batches // 4)}
 log_every = 10
 """
-    return f"""# The embedded demo job, written by `python -m producer.demo prepare` (CPU, float32).
+    return f"""# The embedded demo job, written by `python -m demo prepare` (CPU, float32).
 [job]
 name = "demo"
 run_dir = "{run_dir}"
@@ -270,7 +270,7 @@ def evaluate_demo(
     job_path: str | Path, limit: int | None = None, max_new_tokens: int = 160
 ) -> tuple[dict, bool]:
     """Evaluate every drafter of the demo job on the held-out prompts; (reports by name, all lossless)."""
-    from consumer.evaluate import format_report, run_eval  # the consumer side, needed only here
+    from consumer.evaluate import format_report, run_eval  # imported late: prepare needs no drafter code
 
     job = load_job(job_path)
     heldout = Path(job.job.run_dir) / "assets" / "heldout.jsonl"
@@ -290,7 +290,7 @@ def evaluate_demo(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m producer.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="build the demo assets (cached) and print the job file's path")
     p.add_argument("run_dir")

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from demo.tiny import build_tiny_target
 from producer.data import ChatEncoder
-from producer.tiny import build_tiny_target
 
 
 @dataclass(frozen=True)
