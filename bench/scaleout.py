@@ -131,16 +131,26 @@ def measure(traces: list[list[dict]]) -> dict:
 
 
 def profile_shares(run_dir: Path, replicas: int) -> dict:
-    """Busy/wait shares from the last profile line each process logged (telemetry is not started)."""
-    def last_pct(path: Path, timer: str) -> float | None:
-        lines = [li for li in path.read_text().splitlines() if f" {timer} " in li and "prof" in li]
-        if not lines:
-            return None
-        part = lines[len(lines) // 2].split(f" {timer} ")[1].split("|")[0]  # "12×3.4ms (max 5.6) 7.8% "
-        return float(part.split()[-1].rstrip("%"))
+    """Busy/wait shares over the steady run from the profile lines each process logged (telemetry is not
+    started). Each line covers one interval (`prof 5.0s | forward 12×3.40ms (max 5.60) 7.8% | ...`); the
+    first (start-up) and the last (the drain) are left out when there are three or more, and a timer's
+    share is its summed time over the summed wall time of the lines kept."""
+    def steady_pct(path: Path, timer: str) -> float | None:
+        lines = [li for li in path.read_text().splitlines() if "prof " in li and " | " in li]
+        if len(lines) >= 3:
+            lines = lines[1:-1]
+        wall = busy = 0.0
+        for li in lines:
+            fields = li.split("prof ", 1)[1].split(" | ")
+            seconds = float(fields[0].rstrip("s"))
+            wall += seconds
+            for field in fields[1:]:
+                if field.startswith(f"{timer} "):
+                    busy += seconds * float(field.split()[-1].rstrip("%")) / 100
+        return round(100 * busy / wall, 2) if wall else None
 
-    forward = last_pct(run_dir / "producer.out", "forward")
-    waits = [last_pct(run_dir / f"consumer{r}.out", "allreduce_wait") for r in range(replicas)]
+    forward = steady_pct(run_dir / "producer.out", "forward")
+    waits = [steady_pct(run_dir / f"consumer{r}.out", "allreduce_wait") for r in range(replicas)]
     return {"producer_forward_pct": forward,
             "allreduce_wait_pct": max((w for w in waits if w is not None), default=0.0)}
 

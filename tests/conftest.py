@@ -1,10 +1,12 @@
-"""Test-wide settings: must run before any project module (the Triton interpreter is read at import)."""
+"""Test-wide settings: must run before any project module (the Triton interpreter is read when a kernel is
+decorated, i.e. when consumer.kernels is imported)."""
 
 import os
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRET_PRESET = os.environ.get("TRITON_INTERPRET")  # a user's own choice is kept
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_DIR", str(ROOT / ".cache" / "wandb"))
@@ -17,6 +19,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton kernels run in its interpreter only where there is no GPU to compile them for: on a GPU the
+# compiled kernel and its autotune configs are what the tests check. torch.cuda.is_available() does not
+# import triton, so the variable is still read fresh by the project's kernels.
+if "triton" in sys.modules:
+    raise RuntimeError("triton was imported before tests/conftest.py chose whether to interpret it")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
