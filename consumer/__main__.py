@@ -18,12 +18,12 @@ from common.config import ConfigError, dflash_layer_ids, load_job
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
-from consumer.checkpoint import checkpoint_bytes, load_latest, save_checkpoint
+from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
 from consumer.service import EXIT_GROUP_LOST, ConsumerService
 from consumer.stream import BatchStream
 from consumer.target_parts import load_target_parts
-from consumer.trainer import Trainer
+from consumer.trainer import NonFiniteCheckpointError, Trainer
 
 log = logging.getLogger("consumer")
 
@@ -100,14 +100,19 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
             return 2
 
     def latest():
-        ckpt = load_latest(ckpt_root)
+        ckpt = resume_checkpoint(ckpt_root)  # falls back past broken ones, saying so
         return None if ckpt is None else (str(ckpt.path), ckpt.state)
 
-    resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
+    try:
+        resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
+        if resumed is not None:
+            trainer.load_state_dict(resumed[1], resumed[0])
+    except (NoIntactCheckpoint, NonFiniteCheckpointError) as err:
+        log.error("%s", err)
+        return 2
     cursor = GroupCursor.fresh(env.nnodes)
     if resumed is not None:
         where, state = resumed
-        trainer.load_state_dict(state)
         cursor = GroupCursor.from_state(state, env.nnodes, where)
         log.info("resumed from %s: step %d, next seq %d", where, trainer.step, cursor.cursors[env.node_rank])
     group.broadcast_params(trainer.params)

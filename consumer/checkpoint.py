@@ -4,16 +4,27 @@
                          model.safetensors   trained weights only (no embedding, no lm_head), export dtype
                          dflash.py           modeling file for AutoModel + trust_remote_code
                          trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq
+                         manifest.json       size and sha256 of each file above, written last
     <ckpt_root>/latest                       "step_<N>", replaced atomically after the directory is complete
 
 A checkpoint is written into a temporary directory next to its final place, fsynced, then renamed;
 `latest` moves only after that, so a crash at any point leaves the previous checkpoint intact and current.
+
+Resuming never loads a broken checkpoint silently: `load_latest` checks the manifest (present, every size
+and digest matching), reads trainer_state.pt and checks that the weights and optimizer moments are finite.
+A checkpoint that fails is logged with its file and the reason, and the next older one is tried;
+`resume_checkpoint` (the consumer's entry) also sets the broken ones aside as `corrupt-step_<N>` and
+points `latest` at the one it resumed from, so the exactly-once checker walks the lineage really resumed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import json
+import logging
+import math
 import os
 import re
 import shutil
@@ -22,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.config import DTYPE_BYTES
@@ -32,7 +43,12 @@ from consumer.target_parts import TargetParts
 
 EXPORT_MODULE = Path(__file__).parent / "export" / "dflash.py"
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+EXPORT_FILES = ("config.json", "model.safetensors", "dflash.py")
 LATEST = "latest"
+CORRUPT_PREFIX = "corrupt-"
+
+log = logging.getLogger(__name__)
 
 
 def export_config(
@@ -97,7 +113,7 @@ def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: di
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(EXPORT_MODULE, out_dir / "dflash.py")
-    for name in ("config.json", "model.safetensors", "dflash.py"):
+    for name in EXPORT_FILES:
         _fsync_file(out_dir / name)
 
 
@@ -159,12 +175,14 @@ def _save(root: Path, trainer, keep_last: int) -> Path:
         target_layer_ids=trainer.target_layer_ids,
         dtype=trainer.cfg.dtype,
     )
+    state = trainer.state_dict()
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None
     try:
-        write_export(tmp, trainer.model.state_dict(), config)
-        torch.save(trainer.state_dict(), tmp / STATE_FILE)
+        write_export(tmp, state["model"], config)
+        torch.save(state, tmp / STATE_FILE)
         _fsync_file(tmp / STATE_FILE)
+        write_manifest(tmp, (*EXPORT_FILES, STATE_FILE))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. on shutdown right after a periodic save)
             stale = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))
@@ -193,27 +211,157 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(out_dir: Path, names: tuple[str, ...]) -> None:
+    """manifest.json: size and sha256 of each file, written after them (a checkpoint without it is incomplete)."""
+    files = {n: {"bytes": (out_dir / n).stat().st_size, "sha256": _sha256(out_dir / n)} for n in names}
+    (out_dir / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1) + "\n")
+    _fsync_file(out_dir / MANIFEST)
+
+
+class CheckpointCorrupt(ValueError):
+    """One checkpoint that must not be loaded; the message names the file and what is wrong."""
+
+
+class NoIntactCheckpoint(RuntimeError):
+    """Every checkpoint in the folder is broken: the message names the folder and each checkpoint's fault."""
+
+
+def _check_manifest(path: Path) -> None:
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointCorrupt(f"{manifest} is missing: the checkpoint is incomplete or was written without one")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        wanted = {str(n): (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointCorrupt(f"{manifest} is unreadable ({type(err).__name__}: {err})") from None
+    for name in (*EXPORT_FILES, STATE_FILE):
+        if name not in wanted:
+            raise CheckpointCorrupt(f"{manifest} does not list {name}")
+    for name, (size, digest) in wanted.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointCorrupt(f"{file} is missing (listed in {MANIFEST})")
+        if file.stat().st_size != size:
+            raise CheckpointCorrupt(f"{file} has {file.stat().st_size} bytes, {MANIFEST} says {size} (truncated?)")
+        if _sha256(file) != digest:
+            raise CheckpointCorrupt(f"{file} does not match its sha256 in {MANIFEST} (changed after it was written)")
+
+
+def _non_finite(tensors: dict, where: str) -> str | None:
+    """The first floating tensor holding NaN/Inf, as "where[key] (n of m values)", else None."""
+    for key, t in tensors.items():
+        if isinstance(t, dict):
+            found = _non_finite(t, f"{where}[{key!r}]")
+            if found:
+                return found
+        elif torch.is_tensor(t) and t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                return f"{where}[{key!r}] ({bad} of {t.numel()} values)"
+    return None
+
+
+def _read_checked(path: Path) -> Checkpoint:
+    """The checkpoint in `path`, or CheckpointCorrupt naming the file and the fault."""
+    if not path.is_dir():
+        raise CheckpointCorrupt(f"{path} does not exist")
+    try:
+        step = int(path.name.removeprefix("step_"))
+    except ValueError:
+        raise CheckpointCorrupt(f"{path.name!r} is not a step_<N> directory name") from None
+    _check_manifest(path)
+    state_file = path / STATE_FILE
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as err:  # a torch UnpicklingError / RuntimeError (truncated zip) ... : say which file
+        raise CheckpointCorrupt(f"{state_file} cannot be read: {type(err).__name__}: {str(err)[:200]}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointCorrupt(f"{state_file} holds no trainer state (no 'model' entry)")
+    found = _non_finite(state["model"], "weights")
+    found = found or _non_finite(state.get("optimizer", {}).get("state", {}), "optimizer state")
+    if found:
+        raise CheckpointCorrupt(f"{state_file}: non-finite {found}: the checkpoint's training had diverged")
+    export = path / "model.safetensors"
+    try:
+        with safe_open(str(export), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                found = _non_finite({key: f.get_tensor(key)}, "weights")
+                if found:
+                    raise CheckpointCorrupt(f"{export}: non-finite {found} in the export")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointCorrupt(f"{export} cannot be read: {err}") from None
+    return Checkpoint(path=path, step=step, state=state)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
     step: int
     state: dict  # Trainer.state_dict(), tensors on the CPU
+    skipped: tuple[Path, ...] = ()  # newer checkpoints that were broken (load_latest fell back past them)
+
+
+def _candidates(root: Path) -> list[Path]:
+    """What `latest` points at, then every older step_<N> directory, newest first."""
+    name = (root / LATEST).read_text().strip()
+    steps = sorted(((int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit()), reverse=True)
+    top = int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else math.inf
+    return [root / name] + [p for n, p in steps if n < top]
 
 
 def load_latest(ckpt_root: str | Path) -> Checkpoint | None:
-    """The checkpoint `latest` points at, or None when there is none yet (a fresh run)."""
+    """The newest intact checkpoint from `latest` down, or None when there is none yet (a fresh run).
+
+    Read-only. Each broken one is logged with its file and fault; `Checkpoint.skipped` lists them. When
+    every one is broken: NoIntactCheckpoint naming the folder."""
     root = Path(ckpt_root)
-    pointer = root / LATEST
-    if not pointer.is_file():
+    if not (root / LATEST).is_file():
         return None
-    name = pointer.read_text().strip()
-    path = root / name
-    state_file = path / STATE_FILE
-    if not state_file.is_file():
-        raise FileNotFoundError(f"{pointer} points at {name!r}, but {state_file} does not exist")
-    try:
-        step = int(name.removeprefix("step_"))
-    except ValueError:
-        raise ValueError(f"{pointer}: {name!r} is not a step_<N> directory name") from None
-    state = torch.load(state_file, map_location="cpu", weights_only=True)
-    return Checkpoint(path=path, step=step, state=state)
+    faults: list[tuple[Path, str]] = []
+    for path in _candidates(root):
+        try:
+            ckpt = _read_checked(path)
+        except CheckpointCorrupt as err:
+            log.error("checkpoint %s is not used: %s", path, err)
+            faults.append((path, str(err)))
+            continue
+        if faults:
+            log.warning("resuming from the previous intact checkpoint %s (step %d) instead of %s", path, ckpt.step,
+                        ", ".join(p.name for p, _ in faults))
+        return dataclasses.replace(ckpt, skipped=tuple(p for p, _ in faults))
+    raise NoIntactCheckpoint(
+        f"no intact checkpoint in {root}: " + "; ".join(msg for _, msg in faults)
+        + ". Move the folder aside to start afresh, or restore a checkpoint from a backup"
+    )
+
+
+def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
+    """load_latest, and when it fell back: set the broken newer checkpoints aside as corrupt-step_<N> (kept for
+    a post-mortem, never pruned nor loaded) and point `latest` at the one resumed from (atomically).
+
+    Only the process that writes the folder (the group's rank 0) may call this."""
+    ckpt = load_latest(ckpt_root)
+    if ckpt is None or not ckpt.skipped:
+        return ckpt
+    root = Path(ckpt_root)
+    for path in ckpt.skipped:
+        if path.is_dir():
+            aside = root / f"{CORRUPT_PREFIX}{path.name}"
+            if aside.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f"{CORRUPT_PREFIX}{path.name}.", dir=root))
+                aside.rmdir()
+            os.rename(path, aside)
+            log.warning("set the broken checkpoint %s aside as %s", path, aside.name)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(ckpt.path.name + "\n")
+    _fsync_file(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
+    return ckpt

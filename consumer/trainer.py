@@ -35,6 +35,10 @@ class NonFiniteTrainingError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
+class NonFiniteCheckpointError(ValueError):
+    """A state to resume from holds non-finite weights (the message names where it came from)."""
+
+
 def lr_factor(step: int, total_steps: int, warmup_frac: float, min_lr_ratio: float) -> float:
     """Linear warmup to 1, then cosine down to min_lr_ratio at total_steps (flat after)."""
     warmup = round(warmup_frac * total_steps)
@@ -246,11 +250,17 @@ class Trainer:
             )
             self._nonfinite_logged = skipped
         if longest >= self.cfg.max_nonfinite_steps:
+            bad_weights = self.non_finite_params()
+            cause = (
+                f" The drafter's own weights are non-finite ({', '.join(bad_weights[:3])}), so every step fails"
+                " whatever the batches hold." if bad_weights else
+                " The weights are finite, so the batches are: non-finite hidden states from the producer are"
+                " the usual cause; check the target's dtype and the batches at those seqs."
+            )
             raise NonFiniteTrainingError(
                 f"drafter {self.cfg.name}: {longest} optimizer steps in a row had a non-finite loss or"
                 f" gradient (max_nonfinite_steps={self.cfg.max_nonfinite_steps}), from batch seq {first_bad}"
-                f" to seq {last_bad}. Non-finite hidden states from the producer are the usual cause:"
-                " check the target's dtype and the batches at those seqs."
+                f" to seq {last_bad}.{cause}"
             )
         out = self.metrics.read()
         out.update(
@@ -283,13 +293,24 @@ class Trainer:
             }
         )
 
-    def load_state_dict(self, state: dict) -> None:
+    def non_finite_params(self) -> list[str]:
+        """Names of the parameters holding NaN/Inf (one device sync: for load time and error paths only)."""
+        return [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+    def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
+        """Load a state_dict() taken earlier; `source` (the checkpoint's path) is named in every error."""
         for key, mine in (("block_size", self.cfg.block_size), ("target_layer_ids", self.target_layer_ids)):
             if state[key] != mine:
                 raise ValueError(
-                    f"drafter {self.cfg.name}: checkpoint has {key}={state[key]}, this job has {mine}"
+                    f"drafter {self.cfg.name}: {source} has {key}={state[key]}, this job has {mine}"
                 )
         self.model.load_state_dict(state["model"])
+        bad = self.non_finite_params()
+        if bad:  # training on would skip every step and then blame the batches: say what is wrong now
+            raise NonFiniteCheckpointError(
+                f"drafter {self.cfg.name}: the weights loaded from {source} are non-finite"
+                f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); resume from an earlier checkpoint"
+            )
         self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))  # never shares the caller's tensors
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["rng"])
