@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from common import ring_cuda
 from common.config import SLOT_ALIGN
+from common.ring_error import RingError
 
 HEADER_BYTES = 4096  # one page before slot 0: keeps slot 0 page aligned
 _HEADER = struct.Struct("<8sIIQQQ16s")  # magic, version, num_slots, slot_bytes, total_bytes, pid, canary
@@ -34,10 +36,6 @@ _UNSEALED = object()  # a CUDA slot written since its last write_event
 # Optional layout entry: int64 [1], the seq a slot holds. The producer sets it to -1 before rewriting a slot
 # and to the batch's seq after; a consumer reads it after copying, so a slot reused under it is detected.
 SEQ_TAG = "seq_tag"
-
-
-class RingError(RuntimeError):
-    """The ring cannot be created, attached or used as asked; the message says why."""
 
 
 def _align(n: int, to: int = SLOT_ALIGN) -> int:
@@ -173,8 +171,6 @@ class SlotRing:
         canary = secrets.token_bytes(16)
         if kind == "cpu":
             return cls._create_shm(num_slots, slot_bytes, canary, ring_path(shm_dir, name))
-        from common import ring_cuda
-
         buf = ring_cuda.allocate(HEADER_BYTES + num_slots * slot_bytes, device)
         ring = cls("cuda", buf, num_slots, slot_bytes, canary, owner=True)
         ring._write_header(buf.numel())
@@ -236,8 +232,6 @@ class SlotRing:
         common.update(total_bytes=buf.numel(), canary=self.canary)
         if self.kind == "cpu":
             return {**common, "path": self.path}
-        from common import ring_cuda
-
         return {**common, **ring_cuda.export(buf)}
 
     # ---- attaching (consumer) ----
@@ -264,8 +258,6 @@ class SlotRing:
         if handle["kind"] == "cpu":
             buf = _attach_shm(handle["path"], total)
         else:
-            from common import ring_cuda
-
             buf = ring_cuda.attach(handle, total, device)
         ring = cls(handle["kind"], buf, num_slots, slot_bytes, handle["canary"], owner=False)
         ring.path = handle.get("path")
@@ -323,6 +315,27 @@ class SlotRing:
         if event is _UNSEALED:
             raise RingError(f"slot {slot} was written but write_event({slot}) was not called")
         return event is None or event.query()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the ring's memory lives (cpu, or the ring's GPU as this process numbers it)."""
+        return self._ring().device
+
+    def wait_reads(self, device: str | torch.device | None = None) -> None:
+        """Block until every copy queued out of this ring into `device` (the reader's own device) landed.
+
+        A copy out of a CUDA ring is queued on the ring GPU's current stream when it goes to the host or
+        between GPUs (torch runs a cross-device copy on the source's stream), and on the reader GPU's
+        stream when it comes from a CPU ring; so an event on each CUDA device involved is recorded on that
+        device's current stream and waited for. CPU ring to CPU: copies are synchronous, nothing to wait.
+        """
+        devices = {self._ring().device}
+        if device is not None:
+            devices.add(torch.device(device))
+        for dev in sorted((d for d in devices if d.type == "cuda"), key=str):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev))
+            event.synchronize()
 
     def view(self, slot: int, layout: list[TensorSpec]) -> dict[str, torch.Tensor]:
         """Views into `slot` as `layout` describes; the layout came off the wire, so bounds are checked."""

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from common.ring import RingError
+from common.ring_error import RingError
 
 _MIN_ALLOC = 20 << 20  # below this the caching allocator carves requests out of a shared 20 MiB segment
 _ROUND = 2 << 20  # large allocations are rounded to 2 MiB: ask for exactly that, so nothing is split off

@@ -163,10 +163,9 @@ class BatchStream:
         out = {name: self._buffer(name, v).copy_(v, non_blocking=True) for name, v in views.items()}
         if tag is not None:  # read after the data: a rewrite begun before this read has already changed it
             self._tag.copy_(tag, non_blocking=True)
-        if self.ring.kind == "cuda" or self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()  # the slot may be reused once released: the reads must be complete
+        # the slot may be reused once released: the reads (the tag's on the ring GPU's stream, the data's
+        # on ours) must be complete, on every device they were queued on
+        self.ring.wait_reads(self.device)
         if self.channel.stalled_since(received_at) or self.channel.stalls != self._session_stalls:
             # we may have been fenced while stopped and the slot rewritten under us: trust nothing of this
             # session, even a batch that reached us after we woke (it may have been sent before the fence)

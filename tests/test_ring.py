@@ -51,8 +51,24 @@ while True:
     req = recv()
     try:
         if req["op"] == "attach":
-            ring = SlotRing.attach(req["handle"])
+            ring = SlotRing.attach(req["handle"], device=req.get("device"))
             send({"ok": True})
+        elif req["op"] == "copy_out":  # as consumer/stream.py copies a batch out, then a check without sync
+            dev = torch.device(req["device"])
+            torch.cuda.set_device(dev)  # the reader's own GPU is the current one, as in a consumer
+            views = ring.view(req["slot"], layout_from_wire(req["layout"]))
+            with torch.cuda.device(ring.device):  # the ring GPU's stream is busy: queued copies wait
+                torch.cuda._sleep(req["sleep_cycles"])
+            on_dev = {k: torch.empty(v.shape, dtype=v.dtype, device=dev) for k, v in views.items()}
+            on_host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in views.items()}
+            for t in on_host.values():
+                t.reshape(-1).view(torch.uint8).fill_(0xAB)  # stale bytes, should the copy not have landed
+            for k, v in views.items():
+                on_dev[k].copy_(v, non_blocking=True)
+                on_host[k].copy_(v, non_blocking=True)  # like the seq tag: queued on the ring GPU's stream
+            ring.wait_reads(dev)
+            host = {k: digest(t) for k, t in on_host.items()}  # host memory read now, no device sync
+            send({"ok": True, "host": host, "device": {k: digest(t) for k, t in on_dev.items()}})
         elif req["op"] == "digest":
             views = ring.view(req["slot"], layout_from_wire(req["layout"]))
             send({"ok": True, "digests": {k: digest(v) for k, v in views.items()},
@@ -323,6 +339,46 @@ def test_cuda_canary_mismatch_is_rejected(name, child):
         assert child.exit() == 0
     finally:
         ring.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "reader",
+    [
+        pytest.param("cuda:0", marks=requires_cuda, id="same-gpu"),
+        pytest.param("cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+                     id="other-gpu"),
+    ],
+)
+def test_cuda_ring_copy_out_is_complete_once_wait_reads_returns(name, child, reader):
+    """Ring on cuda:0 in this process; the reader process copies each slot to its own GPU and to pinned host
+    memory while the ring GPU's stream is held back by a sleep kernel: after wait_reads every host byte
+    must be the slot's (with an event on the reader's GPU only, the host copies would still be pending)."""
+    ring = SlotRing.create("cuda", 2, 32 << 10, name=name, device="cuda:0")
+    try:
+        gen = torch.Generator().manual_seed(1)
+        assert child.ask(op="attach", handle=ring.handle(), device=reader) == {"ok": True}
+        for slot, layout, expected in write_round(ring, gen):
+            reply = child.ask(op="copy_out", slot=slot, layout=layout, device=reader, sleep_cycles=300_000_000)
+            assert reply["ok"], reply
+            assert reply["host"] == expected
+            assert reply["device"] == expected
+        assert child.exit() == 0
+    finally:
+        ring.close()
+
+
+def test_wait_reads_on_a_cpu_ring_read_on_the_cpu_needs_no_cuda(name):
+    with SlotRing.create("cpu", 1, 4096, name=name, shm_dir=SHM) as ring:
+        assert ring.device == torch.device("cpu")
+        ring.wait_reads(None)
+        ring.wait_reads("cpu")
+
+
+def test_ring_modules_do_not_import_each_other_in_a_circle():
+    """common.ring_cuda is imported by common.ring, never the other way round (both use common.ring_error)."""
+    code = "import common.ring_cuda, sys; assert 'common.ring' not in sys.modules, 'ring_cuda imports ring'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
 def test_cuda_handle_is_validated_before_any_cuda_call():
