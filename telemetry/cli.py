@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,12 +22,15 @@ import zmq
 
 from common.config import ConfigError, RunPaths, load_job
 from telemetry.service import REPUBLISH_SOCKET
-from telemetry.sinks import WINDOW_TOPIC, json_safe
+from telemetry.sinks import WINDOW_TOPIC
 
-PROCESS_KEYS = ("source", "role", "name", "pid", "host", "state", "step", "tokens_per_s", "wait_pct",
-                "busy_pct", "age_s", "gaps", "restarts")  # fmt: skip
-GPU_KEYS = ("index", "uuid", "name", "util_pct", "mem_util_pct", "memory_used_bytes", "memory_total_bytes",
-            "power_w", "power_limit_w", "temperature_c", "sm_clock_mhz")  # fmt: skip
+# the fields of a window the CLI shows, by type (anything else in a window is ignored)
+PROCESS_TEXT = ("source", "role", "name", "host", "state")
+PROCESS_INTS = ("pid", "step", "gaps", "restarts")
+PROCESS_NUMBERS = ("tokens_per_s", "wait_pct", "busy_pct", "age_s")
+GPU_TEXT = ("uuid", "name")
+GPU_INTS = ("index", "memory_used_bytes", "memory_total_bytes")
+GPU_NUMBERS = ("util_pct", "mem_util_pct", "power_w", "power_limit_w", "temperature_c", "sm_clock_mhz")
 
 
 class CliError(Exception):
@@ -62,44 +67,118 @@ def resolve(run_dir: str | None, job_file: str | None) -> tuple[RunPaths, float]
     return paths, window_s
 
 
-def view(doc: dict[str, Any]) -> dict[str, Any]:
-    """The stable JSON shape (snake_case keys, units in names) built from a telemetry window."""
+class MalformedWindow(ValueError):
+    """A window that does not have the telemetry process's shape (a rogue or broken publisher): skipped."""
+
+
+MAX_ENTRIES = 4096  # processes or GPUs in one window; more is not a real job
+MAX_TEXT = 200  # characters kept of any string
+
+
+def _number(v: Any, key: str, *, integer: bool = False) -> float | int | None:
+    """None, or a finite int/float (NaN/inf become None); integer fields take integral floats too."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise MalformedWindow(f"{key} is {type(v).__name__}, not a number")
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if integer:
+        if isinstance(v, float) and not v.is_integer():
+            raise MalformedWindow(f"{key} is {v!r}, not an integer")
+        return int(v)
+    return v
+
+
+def _text(v: Any, key: str) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise MalformedWindow(f"{key} is {type(v).__name__}, not a string")
+    return v[:MAX_TEXT]
+
+
+def _table(v: Any, key: str, kind: type) -> Any:
+    if v is None:
+        return kind()
+    if not isinstance(v, kind):
+        raise MalformedWindow(f"{key} is {type(v).__name__}, not a {kind.__name__}")
+    if kind is list and len(v) > MAX_ENTRIES:
+        raise MalformedWindow(f"{key} has {len(v)} entries (at most {MAX_ENTRIES})")
+    return v
+
+
+def _record(v: Any, key: str, texts: tuple[str, ...], ints: tuple[str, ...], numbers: tuple[str, ...]) -> dict:
+    entry = _table(v, key, dict)
+    out: dict[str, Any] = {k: _text(entry.get(k), f"{key}.{k}") for k in texts}
+    out |= {k: _number(entry.get(k), f"{key}.{k}", integer=True) for k in ints}
+    out |= {k: _number(entry.get(k), f"{key}.{k}") for k in numbers}
+    return out
+
+
+def _scalars(v: Any, key: str) -> dict[str, Any]:
+    """A flat dict of str keys to short scalars (health): anything else is malformed."""
+    out = {}
+    for k, x in _table(v, key, dict).items():
+        if not isinstance(k, str):
+            raise MalformedWindow(f"{key} has a {type(k).__name__} key")
+        out[k[:MAX_TEXT]] = x if isinstance(x, bool) else _text(x, f"{key}.{k}") if isinstance(x, str) \
+            else _number(x, f"{key}.{k}")
+    return out
+
+
+def view(doc: Any) -> dict[str, Any]:
+    """The stable JSON shape (snake_case keys, units in names) built from a telemetry window; every field
+    type-checked (MalformedWindow says which one is wrong), strings cut to MAX_TEXT characters."""
+    if not isinstance(doc, dict):
+        raise MalformedWindow(f"the window is {type(doc).__name__}, not a map")
     now = time.time()
-    return json_safe(
-        {
-            "query_time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "job": doc.get("job"),
-            "run_dir": doc.get("run_dir"),
-            "window_s": doc.get("window_s"),
-            "telemetry_uptime_s": doc.get("uptime_s"),
-            "window_age_s": now - doc.get("time", now),
-            "processes": [{k: s.get(k) for k in PROCESS_KEYS} for s in doc.get("sources", [])],
-            "gpus": [{k: g.get(k) for k in GPU_KEYS} for g in doc.get("gpus", [])],
-            "ring": doc.get("ring", {}),
-            "pipeline": {"tokens_per_s": doc.get("metrics", {}).get("pipeline/tokens_per_s")},
-            "health": doc.get("health", {}),
-        }
-    )
+    sent = _number(doc.get("time"), "time")
+    metrics = _table(doc.get("metrics"), "metrics", dict)
+    return {
+        "query_time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "job": _text(doc.get("job"), "job"),
+        "run_dir": _text(doc.get("run_dir"), "run_dir"),
+        "window_s": _number(doc.get("window_s"), "window_s"),
+        "telemetry_uptime_s": _number(doc.get("uptime_s"), "uptime_s"),
+        "window_age_s": None if sent is None else now - sent,
+        "processes": [_record(s, "sources[]", PROCESS_TEXT, PROCESS_INTS, PROCESS_NUMBERS)
+                      for s in _table(doc.get("sources"), "sources", list)],
+        "gpus": [_record(g, "gpus[]", GPU_TEXT, GPU_INTS, GPU_NUMBERS) for g in _table(doc.get("gpus"), "gpus", list)],
+        "ring": _record(doc.get("ring"), "ring", (), ("slots_total",), ("slots_in_use",)),
+        "pipeline": {"tokens_per_s": _number(metrics.get("pipeline/tokens_per_s"), "metrics.pipeline/tokens_per_s")},
+        "health": _scalars(doc.get("health"), "health"),
+    }
+
+
+def fmt(v: Any, spec: str = ".1f") -> str:
+    """A cell: "-" for None, numbers by spec (an integer spec takes floats too), anything else as text."""
+    if v is None:
+        return "-"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.0f}" if spec == "d" and isinstance(v, float) else format(v, spec)
+    return str(v)
 
 
 def render(state: dict[str, Any]):
-    """rich renderable: processes, GPUs, ring."""
+    """rich renderable: processes, GPUs, ring. Text from the window is escaped (never read as rich markup)."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
-    def fmt(v: Any, spec: str = ".1f") -> str:
-        return "-" if v is None else format(v, spec) if isinstance(v, (int, float)) else str(v)
+    def cell(v: Any, spec: str = ".1f") -> str:
+        return escape(fmt(v, spec))
 
     procs = Table(
-        title=f"dflash job {state['job']} — window {fmt(state['window_s'])} s, age {fmt(state['window_age_s'])} s"
+        title=f"dflash job {cell(state['job'])} — window {cell(state['window_s'])} s, age {cell(state['window_age_s'])} s"
     )
     for col in ("role", "name", "state", "step", "tokens/s", "wait %", "busy %", "age s", "gaps"):
         procs.add_column(col, justify="left" if col in ("role", "name", "state") else "right")
     for p in state["processes"]:
         style = None if p["state"] == "live" else "red"
-        procs.add_row(p["role"], p["name"], p["state"], fmt(p["step"], "d") if p["step"] is not None else "-",
-                      fmt(p["tokens_per_s"], ".0f"), fmt(p["wait_pct"]), fmt(p["busy_pct"]), fmt(p["age_s"]),
-                      fmt(p["gaps"], "d"), style=style)  # fmt: skip
+        procs.add_row(cell(p["role"]), cell(p["name"]), cell(p["state"]), cell(p["step"], "d"),
+                      cell(p["tokens_per_s"], ".0f"), cell(p["wait_pct"]), cell(p["busy_pct"]), cell(p["age_s"]),
+                      cell(p["gaps"], "d"), style=style)  # fmt: skip
     parts: list[Any] = [procs]
     if state["gpus"]:
         gpus = Table(title="GPUs")
@@ -108,37 +187,64 @@ def render(state: dict[str, Any]):
         for g in state["gpus"]:
             used, total = g["memory_used_bytes"], g["memory_total_bytes"]
             mem = "-" if used is None or total is None else f"{used / 2**30:.1f}/{total / 2**30:.1f}"
-            gpus.add_row(fmt(g["index"], "d"), g["name"] or "-", fmt(g["util_pct"], ".0f"), fmt(g["mem_util_pct"], ".0f"),
-                         mem, fmt(g["power_w"], ".0f"), fmt(g["temperature_c"], ".0f"))  # fmt: skip
+            gpus.add_row(cell(g["index"], "d"), cell(g["name"]), cell(g["util_pct"], ".0f"), cell(g["mem_util_pct"], ".0f"),
+                         mem, cell(g["power_w"], ".0f"), cell(g["temperature_c"], ".0f"))  # fmt: skip
         parts.append(gpus)
-    ring, health = state["ring"], state["health"]
-    parts.append(
-        f"ring: {fmt(ring.get('slots_in_use'))}/{fmt(ring.get('slots_total'), 'd')} slots in use | pipeline "
-        f"{fmt(state['pipeline']['tokens_per_s'], '.0f')} tok/s | telemetry: {fmt(health.get('messages'), 'd')} msgs, "
-        f"{fmt(health.get('gaps'), 'd')} gaps, {fmt(health.get('decode_errors'), 'd')} decode errors, "
-        f"W&B {health.get('wandb_mode')} queue {fmt(health.get('wandb_queue'), 'd')}"
-    )
+    parts.append(escape(summary(state)))
     return Group(*parts)
 
 
-def receive(sock: zmq.Socket, timeout_s: float) -> dict[str, Any] | None:
-    """The newest window that arrives within timeout_s (older queued ones are skipped)."""
-    doc = None
-    deadline = time.monotonic() + timeout_s
-    while doc is None and (remaining := deadline - time.monotonic()) > 0:
-        if sock.poll(remaining * 1e3):
-            doc = _decode(sock.recv_multipart())
-    while doc is not None and sock.poll(0):
-        doc = _decode(sock.recv_multipart()) or doc
-    return doc
+def summary(state: dict[str, Any]) -> str:
+    ring, health = state["ring"], state["health"]
+    return (
+        f"ring: {fmt(ring.get('slots_in_use'))}/{fmt(ring.get('slots_total'), 'd')} slots in use | pipeline "
+        f"{fmt(state['pipeline']['tokens_per_s'], '.0f')} tok/s | telemetry: {fmt(health.get('messages'), 'd')} msgs, "
+        f"{fmt(health.get('gaps'), 'd')} gaps, {fmt(health.get('decode_errors'), 'd')} decode errors, "
+        f"W&B {fmt(health.get('wandb_mode'))} queue {fmt(health.get('wandb_queue'), 'd')}"
+        + (f" | skipped {state['malformed_windows']} malformed window(s)" if state.get("malformed_windows") else "")
+    )
 
 
-def _decode(frames: list[bytes]) -> dict[str, Any] | None:
-    try:
-        doc = msgpack.unpackb(frames[-1], raw=False)
-    except Exception:
-        return None
-    return doc if isinstance(doc, dict) else None
+def plain_line(state: dict[str, Any]) -> str:
+    """One line per window for a pipe or a log file (live mode when stdout is not a terminal)."""
+    procs = " ".join(
+        f"{fmt(p['name'])}={fmt(p['state'])}/step {fmt(p['step'], 'd')}/{fmt(p['tokens_per_s'], '.0f')} tok/s"
+        for p in state["processes"]
+    )
+    return f"{state['query_time']} job {fmt(state['job'])}: {procs or 'no processes'} | {summary(state)}"
+
+
+class Receiver:
+    """Windows from the republish socket, each checked by `view`; malformed ones are counted and skipped."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.malformed = 0
+        self.last_fault: str | None = None
+
+    def receive(self, timeout_s: float) -> dict[str, Any] | None:
+        """The newest valid window (as `view` shapes it) that arrives within timeout_s; older queued ones are
+        skipped."""
+        state = None
+        deadline = time.monotonic() + timeout_s
+        while state is None and (remaining := deadline - time.monotonic()) > 0:
+            if self.sock.poll(remaining * 1e3):
+                state = self._one()
+        while state is not None and self.sock.poll(0):
+            state = self._one() or state
+        if state is not None:
+            state["malformed_windows"] = self.malformed
+        return state
+
+    def _one(self) -> dict[str, Any] | None:
+        frames = self.sock.recv_multipart()
+        try:
+            doc = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+            return view(doc)
+        except (ValueError, TypeError) as err:  # MalformedWindow; msgpack's errors; an unhashable map key
+            self.malformed += 1
+            self.last_fault = f"{type(err).__name__}: {str(err)[:MAX_TEXT]}"
+            return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,16 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, WINDOW_TOPIC)
+    sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # a window is kilobytes: a rogue giant frame drops the link
     sock.connect(paths.ipc(REPUBLISH_SOCKET))
+    receiver = Receiver(sock)
     try:
-        doc = receive(sock, timeout_s)
-        if doc is None:
+        state = receiver.receive(timeout_s)
+        if receiver.malformed:
+            print(f"dflash-stats: skipped {receiver.malformed} malformed window(s) (last: {receiver.last_fault})",
+                  file=sys.stderr)
+        if state is None:
             print(f"dflash-stats: nothing published on {paths.ipc(REPUBLISH_SOCKET)} within {timeout_s:.1f} s"
                   " (telemetry not running or stuck)", file=sys.stderr)  # fmt: skip
             return 1
         if args.json or args.once:
-            return _print_once(view(doc), args.json)
-        return _live(sock, doc, timeout_s)
+            return _print_once(state, args.json)
+        return _live(receiver, state, timeout_s)
+    except KeyboardInterrupt:
+        return 0
     finally:
         sock.close()
         context.term()
@@ -179,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_once(state: dict[str, Any], as_json: bool) -> int:
     if as_json:
-        print(json.dumps(state, sort_keys=True))
+        print(json.dumps(state, sort_keys=True, allow_nan=False))
     else:
         from rich.console import Console
 
@@ -190,16 +303,24 @@ def _print_once(state: dict[str, Any], as_json: bool) -> int:
     return 0
 
 
-def _live(sock: zmq.Socket, doc: dict[str, Any], timeout_s: float) -> int:
-    from rich.live import Live
-
-    with Live(render(view(doc)), refresh_per_second=2) as live:
+def _live(receiver: Receiver, state: dict[str, Any], timeout_s: float) -> int:
+    """A table redrawn in place on a terminal; one plain line per new window otherwise (a pipe, a log)."""
+    if not sys.stdout.isatty():
         try:
             while True:
-                doc = receive(sock, timeout_s) or doc
-                live.update(render(view(doc)))
-        except KeyboardInterrupt:
+                print(plain_line(state) if state is not None else
+                      f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} no window within"
+                      f" {timeout_s:.1f} s (telemetry not running or stuck)", flush=True)
+                state = receiver.receive(timeout_s)
+        except BrokenPipeError:  # the reader went away (| head): not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
             return 0
+    from rich.live import Live
+
+    with Live(render(state), refresh_per_second=2) as live:
+        while True:
+            state = receiver.receive(timeout_s) or state
+            live.update(render(state))
 
 
 if __name__ == "__main__":
