@@ -102,12 +102,29 @@ class TransportConfig(_Section):
 
 class DrafterConfig(_Section):
     name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=32)]
+# RoPE scalings a drafter may use (transformers' rope types with a fixed frequency table) and their required keys
+ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
     block_size: Annotated[int, Field(ge=2, le=64)] = 16
     num_layers: Annotated[int, Field(ge=1, le=64)] = 5
-    mask_token_id: int | None = None  # default: the tokenizer's mask token, else the last vocab row
+    mask_token_id: int | None = None  # default: a spare vocab row or the tokenizer's mask/reserved token
     anchors_per_seq: Annotated[int, Field(ge=1)] = 512
     gamma: Annotated[float, Field(gt=0)] | None = None  # loss decay; default from block_size
     attention: Literal["auto", "flex", "sdpa"] = "auto"
+    # the drafter's own RoPE (dflash.md §1), whatever the target's: base and an optional static scaling
+    rope_theta: Annotated[float, Field(gt=0)] = 1e6
+    rope_scaling: dict[str, float | int | str] | None = None  # e.g. {rope_type = "yarn", factor = 4.0, ...}
+    # per-layer attention: None is every layer "full_attention"; "sliding_attention" needs sliding_window
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    sliding_window: Annotated[int, Field(ge=1)] | None = None
+    # an anchor needs supervised tokens at p and p+1, its block may run past the sequence end (SpecForge);
+    # false: the old rule, a whole block inside the sequence (p + B <= S)
+    partial_blocks: bool = True
     loss_chunk_rows: Annotated[int, Field(ge=16)] = 2048
     dtype: DType = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
     lr: Annotated[float, Field(gt=0)] = 6e-4
@@ -134,6 +151,30 @@ class DrafterConfig(_Section):
 
     @property
     def loss_gamma(self) -> float:
+    @model_validator(mode="after")
+    def _attention_layout(self) -> DrafterConfig:
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers but num_layers is {self.num_layers}")
+        sliding = "sliding_attention" in (self.layer_types or [])
+        if sliding and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and not sliding:
+            raise ValueError("sliding_window is set but no layer in layer_types is sliding_attention")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_SCALINGS:
+                raise ValueError(f"rope_scaling.rope_type {kind!r} is not one of {sorted(ROPE_SCALINGS)}"
+                                 " (the rope types with a fixed frequency table)")
+            missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
+        return self
+
+    @property
+    def attention_layers(self) -> list[str]:
+        """The attention kind of each layer ("full_attention" or "sliding_attention")."""
+        return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_layers
+
         """The paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8; interpolated otherwise."""
         if self.gamma is not None:
             return self.gamma

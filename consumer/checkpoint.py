@@ -60,7 +60,14 @@ def export_config(
     target_layer_ids: list[int],
     dtype: str,
 ) -> dict:
-    """config.json of the published format ([SF] configs/qwen3-8b-dflash.json, z-lab's drafters)."""
+    """config.json of the published format ([SF] configs/qwen3-8b-dflash.json, z-lab's drafters).
+
+    RoPE and the per-layer attention kinds are the drafter's own (rope_theta/rope_scaling for SGLang and
+    vLLM, rope_parameters for transformers 5); max_window_layers counts the leading full-attention
+    layers (Qwen2's convention; layer_types is authoritative); is_causal false says every layer is
+    non-causal, sliding ones included; bos/eos are the target's."""
+    kinds = list(arch.attention_layers)
+    sliding = "sliding_attention" in kinds
     return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -69,7 +76,7 @@ def export_config(
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
         "num_target_layers": parts.num_hidden_layers,
         "num_hidden_layers": arch.num_layers,
-        "layer_types": ["full_attention"] * arch.num_layers,
+        "layer_types": kinds,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size,
         "num_attention_heads": arch.num_heads,
@@ -78,19 +85,36 @@ def export_config(
         "hidden_act": "silu",
         "rms_norm_eps": arch.rms_norm_eps,
         "rope_theta": arch.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": arch.rope_parameters if arch.rope_scaling else None,
+        "rope_parameters": arch.rope_parameters,
         "max_position_embeddings": parts.max_position_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "is_causal": False,
         "initializer_range": 0.02,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": arch.num_layers,
+        "use_sliding_window": sliding,
+        "sliding_window": arch.sliding_window,
+        "max_window_layers": kinds.index("sliding_attention") if sliding else arch.num_layers,
         "tie_word_embeddings": False,
         "vocab_size": parts.vocab_size,
+        **target_special_tokens(parts.path),
         "use_cache": True,
         "dtype": dtype,
     }
+
+
+def target_special_tokens(path: Path) -> dict:
+    """bos_token_id / eos_token_id of the target (its text config, else its generation config); eos may
+    be a list. Missing ones are left out."""
+    found: dict = {}
+    for name in ("generation_config.json", "config.json"):  # the later file wins
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        cfg = json.loads(file.read_text())
+        for scope in (cfg, cfg.get("text_config") or {}):
+            found.update({k: scope[k] for k in ("bos_token_id", "eos_token_id") if scope.get(k) is not None})
+    return found
 
 
 def _fsync_file(path: Path) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from common.config import DrafterConfig
 from consumer.objective import DenseMask
 from consumer.target_parts import TargetParts
 
@@ -39,21 +40,64 @@ class DrafterArch:
     num_layers: int
     num_features: int  # n: target layers fused by fc
     rms_norm_eps: float
-    rope_theta: float
+    rope_theta: float  # the drafter's own RoPE base (a drafter setting, not the target's)
+    rope_scaling: dict | None = None  # transformers rope parameters without rope_theta, e.g. {"rope_type": "yarn", ...}
+    layer_types: tuple[str, ...] | None = None  # None: every layer "full_attention"
+    sliding_window: int | None = None
+    max_position_embeddings: int = 32768
 
     @classmethod
-    def from_target(cls, parts: TargetParts, num_layers: int, num_features: int) -> DrafterArch:
+    def from_target(cls, parts: TargetParts, cfg: DrafterConfig, num_features: int) -> DrafterArch:
+        """Per-layer dims are the target's (its text config); RoPE and layer kinds are the drafter's own."""
         return cls(
             hidden_size=parts.hidden_size,
             num_heads=parts.num_attention_heads,
             num_kv_heads=parts.num_key_value_heads,
             head_dim=parts.head_dim,
             intermediate_size=parts.intermediate_size,
-            num_layers=num_layers,
+            num_layers=cfg.num_layers,
             num_features=num_features,
             rms_norm_eps=parts.rms_norm_eps,
-            rope_theta=parts.rope_theta,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+            layer_types=tuple(cfg.attention_layers),
+            sliding_window=cfg.sliding_window,
+            max_position_embeddings=parts.max_position_embeddings,
         )
+
+    @property
+    def attention_layers(self) -> tuple[str, ...]:
+        return self.layer_types if self.layer_types is not None else ("full_attention",) * self.num_layers
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.attention_layers[i] == "sliding_attention" else None
+
+    @property
+    def rope_parameters(self) -> dict:
+        """transformers' form of the drafter's RoPE ({"rope_type", "rope_theta", ...scaling keys})."""
+        scaling = dict(self.rope_scaling or {})
+        kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+        return {"rope_type": kind, "rope_theta": self.rope_theta, **scaling}
+
+
+def rope_frequencies(arch: DrafterArch) -> tuple[Tensor, float]:
+    """inv_freq [d/2] and the attention scaling cos/sin are multiplied by (yarn's mscale; 1 otherwise),
+    computed by transformers' own rope functions for scaled types."""
+    params, d = arch.rope_parameters, arch.head_dim
+    if params["rope_type"] == "default":
+        return 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = Qwen3Config(
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        head_dim=d,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters=params,
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    return inv_freq.float(), float(scale)
 
 
 class RMSNorm(nn.Module):
@@ -92,16 +136,32 @@ def _dense_attend(q: Tensor, k: Tensor, v: Tensor, key_index: Tensor, allowed: T
     return o.transpose(1, 2).reshape(Q, h, d)
 
 
-def attend(
-    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, mask: DenseMask | BlockMask | None
-) -> Tensor:
+Mask = DenseMask | BlockMask | Tensor | None
+
+
+def _pad_rows(x: Tensor, n: int) -> Tensor:
+    return x if x.shape[0] == n else torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])])
+
+
+def attend(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, mask: Mask) -> Tensor:
     """q [Q, h, d]; k/v_ctx [T, hk, d]; k/v_blk [Q, hk, d] -> [Q, h, d].
 
-    mask: a DenseMask (SDPA per block), a FlexAttention BlockMask over [Q, T+Q], or None (drafting:
-    one block that sees every context row and itself).
+    mask: a DenseMask (SDPA per block); a FlexAttention BlockMask over the bucket-padded grid
+    [Qp, Tp+Qp] (consumer.objective.flex_mask; q, k and v are zero-padded to it here); a boolean
+    [Q, T+Q] tensor over the full key axis (drafting with a window); or None (drafting: one block that
+    sees every context row and itself).
     """
     dtype = v_ctx.dtype  # under autocast the norms return float32 while v is bf16; flex needs one dtype
+    Q = q.shape[0]
     q = q.to(dtype)
+    if isinstance(mask, BlockMask):
+        Qp, KVp = mask.seq_lengths
+        Tp = KVp - Qp
+        k = torch.cat([_pad_rows(k_ctx.to(dtype), Tp), _pad_rows(k_blk.to(dtype), Qp)])
+        v = torch.cat([_pad_rows(v_ctx, Tp), _pad_rows(v_blk, Qp)])
+        k, v, qh = k.transpose(0, 1)[None], v.transpose(0, 1)[None], _pad_rows(q, Qp).transpose(0, 1)[None]
+        o = _flex_attention(q.device.type)(qh, k, v, block_mask=mask, enable_gqa=True)
+        return o[0, :, :Q].transpose(0, 1)
     k = torch.cat([k_ctx, k_blk]).to(dtype)  # [T+Q, hk, d]: the full key axis
     v = torch.cat([v_ctx, v_blk])
     if isinstance(mask, DenseMask):
@@ -109,10 +169,7 @@ def attend(
         # in backward keeps that copy out of the saved activations
         return checkpoint(_dense_attend, q, k, v, mask.key_index, mask.allowed, use_reentrant=False)
     k, v, qh = k.transpose(0, 1)[None], v.transpose(0, 1)[None], q.transpose(0, 1)[None]  # [1, heads, L, d]
-    if mask is None:
-        o = F.scaled_dot_product_attention(qh, k, v, enable_gqa=True)
-    else:
-        o = _flex_attention(q.device.type)(qh, k, v, block_mask=mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
     return o[0].transpose(0, 1)
 
 
@@ -174,8 +231,7 @@ class DFlashDrafter(nn.Module):
         # frozen, owned by the target: never trained, never saved (non-persistent)
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)  # [V, H]
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)  # [V, H]
-        d = arch.head_dim
-        inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        inv_freq, self.rope_scale = rope_frequencies(arch)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [d/2]
         gen = torch.Generator().manual_seed(init_seed)
         for m in self.modules():
@@ -187,17 +243,25 @@ class DFlashDrafter(nn.Module):
         """Absolute positions [L] -> cos, sin [L, 1, d] in float32."""
         freqs = pos.float()[:, None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos()[:, None], emb.sin()[:, None]
+        return (emb.cos() * self.rope_scale)[:, None], (emb.sin() * self.rope_scale)[:, None]
 
     def forward(
-        self, features: Tensor, ctx_pos: Tensor, block_ids: Tensor, block_pos: Tensor, mask
+        self, features: Tensor, ctx_pos: Tensor, block_ids: Tensor, block_pos: Tensor, masks: Mask | dict[str, Mask]
     ) -> Tensor:
-        """features [T, n·H], ctx_pos [T], block_ids/block_pos [Q] -> final-normed block states [Q, H]."""
+        """features [T, n·H], ctx_pos [T], block_ids/block_pos [Q] -> final-normed block states [Q, H].
+
+        masks: {layer kind: mask} (consumer.objective.attention_masks), or one mask for every layer
+        of a drafter without sliding layers."""
+        kinds = self.arch.attention_layers
+        if not isinstance(masks, dict):
+            if "sliding_attention" in kinds:
+                raise ValueError("this drafter has sliding-window layers: pass one mask per layer kind")
+            masks = {"full_attention": masks}
         ctx = self.hidden_norm(self.fc(features))  # [T, H], one context for every layer
         x = F.embedding(block_ids, self.embed_tokens)  # [Q, H]
         rope_ctx, rope_blk = self.rope(ctx_pos), self.rope(block_pos)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_ctx, rope_blk, mask)
+        for layer, kind in zip(self.layers, kinds, strict=True):
+            x = layer(x, ctx, rope_ctx, rope_blk, masks[kind])
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -211,4 +275,7 @@ class DFlashDrafter(nn.Module):
         argmax of slots 1..B-1 are the draft tokens)."""
         S, B = context_features.shape[0], block_ids.shape[0]
         pos = torch.arange(S + B, device=block_ids.device)
-        return self.logits(self(context_features, pos[:S], block_ids, pos[S:], mask=None))
+        masks: dict[str, Mask] = {"full_attention": None}
+        if self.arch.sliding_window is not None:  # |query position - key position| < W
+            masks["sliding_attention"] = (pos[S:, None] - pos[None, :]).abs() < self.arch.sliding_window
+        return self.logits(self(context_features, pos[:S], block_ids, pos[S:], masks))

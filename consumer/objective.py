@@ -8,6 +8,18 @@ every (query row, key) pair, and both attention paths evaluate that same predica
   - dense: a boolean SDPA mask per anchor over the only keys a block can ever see,
     [its sequence's first C context rows ‖ its own B rows] (C = longest sequence); every other key
     of the full grid is forbidden, so the two are the same mask.
+
+Sliding-window layers (`window` W) add one condition to the same predicate, in sequence positions:
+a query row at position p+k (slot k of anchor p) sees a key at position j only if |p+k - j| < W.
+For context keys (j < p) that is j > p+k-W: slot k sees context positions max(0, p+k-W+1)..p-1 (the
+anchor's row W-1 of them at most, each later row one fewer); for its own block's keys at p+k' it is
+|k-k'| < W (every slot when B <= W). This is the window a sliding layer of the exported drafter applies when
+drafting at position p (consumer/export/dflash.py), so training and serving agree.
+
+Anchors: an anchor p needs loss_mask 1 at p and at p+1 (inside its sequence); its block may run past
+the sequence end, and the slots there carry no loss (SpecForge's rule: the ends of answers, their
+end-of-turn token included, are labels too). `partial_blocks=False` keeps the older rule: a whole
+block inside the sequence (p + B <= S), without the p+1 condition.
 """
 
 from __future__ import annotations
@@ -26,7 +38,36 @@ class DenseMask:
     [C context rows of its sequence ‖ its own B block rows], where `allowed` says."""
 
     key_index: Tensor  # [A, C+B] int64 rows of the full key axis gathered for each anchor
-    allowed: Tensor  # [A, 1, 1, C+B] bool; the same for every row of a block
+    allowed: Tensor  # [A, 1, 1 or B, C+B] bool; one row for the whole block unless a window makes rows differ
+
+
+def _allowed(
+    q_idx: Tensor,
+    kv_idx: Tensor,
+    *,
+    num_ctx: int,
+    block_size: int,
+    token_seq: Tensor,
+    ctx_pos: Tensor,
+    anchor_seq: Tensor,
+    anchor_tok: Tensor,
+    anchor_valid: Tensor,
+    block_pos: Tensor,
+    window: int | None,
+) -> Tensor:
+    """The one mask predicate (module docstring). Keys: [0, num_ctx) context rows, then block rows."""
+    T, B = num_ctx, block_size
+    a = q_idx // B
+    is_ctx = kv_idx < T
+    j = kv_idx.clamp(0, T - 1)
+    # context: same sequence and strictly before the anchor (its own hidden state is not known yet)
+    ctx_ok = is_ctx & (token_seq[j] == anchor_seq[a]) & (kv_idx < anchor_tok[a])
+    own_block = ~is_ctx & ((kv_idx - T) // B == a)
+    ok = anchor_valid[a] & (ctx_ok | own_block)
+    if window is not None:
+        key_pos = torch.where(is_ctx, ctx_pos[j], block_pos[(kv_idx - T).clamp(0, block_pos.numel() - 1)])
+        ok = ok & ((block_pos[q_idx] - key_pos).abs() < window)
+    return ok
 
 
 @dataclass(frozen=True)
@@ -51,16 +92,22 @@ class DraftBatch:
     def num_anchors(self) -> int:
         return self.anchor_tok.numel()
 
-    def allowed(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """May query row q_idx see key kv_idx? Keys: [0, T) context rows, [T, T+Q) block rows."""
-        T, B = self.num_tokens, self.block_size
-        a = q_idx // B
-        is_ctx = kv_idx < T
-        j = kv_idx.clamp(0, T - 1)
-        # context: same sequence and strictly before the anchor (its own hidden state is not known yet)
-        ctx_ok = is_ctx & (self.token_seq[j] == self.anchor_seq[a]) & (kv_idx < self.anchor_tok[a])
-        own_block = ~is_ctx & ((kv_idx - T) // B == a)
-        return self.anchor_valid[a] & (ctx_ok | own_block)
+    def allowed(self, q_idx: Tensor, kv_idx: Tensor, window: int | None = None) -> Tensor:
+        """May query row q_idx see key kv_idx (in a layer with this sliding window, None: full)?
+        Keys: [0, T) context rows, [T, T+Q) block rows."""
+        return _allowed(
+            q_idx,
+            kv_idx,
+            num_ctx=self.num_tokens,
+            block_size=self.block_size,
+            token_seq=self.token_seq,
+            ctx_pos=self.ctx_pos,
+            anchor_seq=self.anchor_seq,
+            anchor_tok=self.anchor_tok,
+            anchor_valid=self.anchor_valid,
+            block_pos=self.block_pos,
+            window=window,
+        )
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> Tensor:
@@ -93,16 +140,22 @@ def _sample_anchors(
     anchors_per_seq: int,
     block_size: int,
     generator: torch.Generator,
+    partial_blocks: bool,
 ) -> tuple[Tensor, Tensor]:
-    """N anchors per sequence, uniformly without replacement among positions p with loss_mask[p]==1
-    and room for a block (p+B <= S), sorted; padding anchors (valid False) fill sequences with too few.
+    """N anchors per sequence, uniformly without replacement among the candidate positions (module
+    docstring: loss_mask 1 at p and p+1, or with partial_blocks False loss_mask[p]==1 and p+B <= S),
+    sorted; padding anchors (valid False) fill sequences with too few.
 
     Returns anchor_tok [nseq, N] (packed indices; a padding anchor points at its sequence's start)
     and valid [nseq, N]. Sync-free: one random key per token, then a stable sort by sequence.
     """
     T, N = loss_mask.numel(), anchors_per_seq
     lengths = cu[1:] - cu[:-1]  # [nseq]
-    candidate = (loss_mask != 0) & (pos + block_size <= lengths[token_seq])  # [T]
+    if partial_blocks:
+        nxt = loss_mask[(torch.arange(T, device=loss_mask.device) + 1).clamp(max=T - 1)]
+        candidate = (loss_mask != 0) & (pos + 1 < lengths[token_seq]) & (nxt != 0)  # [T]
+    else:
+        candidate = (loss_mask != 0) & (pos + block_size <= lengths[token_seq])
     keys = torch.rand(T, generator=generator, device=loss_mask.device)
     keys = torch.where(candidate, keys, 2.0)  # non-candidates sort last within their sequence
     order = torch.argsort(keys, stable=True)
@@ -125,6 +178,7 @@ def build_draft_batch(
     mask_token_id: int,
     gamma: float,
     generator: torch.Generator,
+    partial_blocks: bool = True,
 ) -> DraftBatch:
     """Anchors (resampled from `generator` at every call), block inputs, positions, labels and weights
     of one packed batch: input_ids/loss_mask [T], cu_seqlens [nseq+1] as a HOST tensor (it sizes the step)."""
@@ -135,7 +189,9 @@ def build_draft_batch(
     lengths = cu[1:] - cu[:-1]
     token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
     ctx_pos = torch.arange(T, device=device) - cu[token_seq]  # [T] position in its sequence
-    anchor_tok, valid = _sample_anchors(loss_mask, cu, token_seq, ctx_pos, anchors_per_seq, B, generator)
+    anchor_tok, valid = _sample_anchors(
+        loss_mask, cu, token_seq, ctx_pos, anchors_per_seq, B, generator, partial_blocks
+    )
 
     anchor_seq = torch.arange(nseq, device=device).repeat_interleave(anchors_per_seq)  # [A]
     anchor_tok, valid = anchor_tok.reshape(-1), valid.reshape(-1)
@@ -165,33 +221,89 @@ def build_draft_batch(
     )
 
 
-def dense_mask(batch: DraftBatch) -> DenseMask:
-    """The block mask for SDPA over each block's reachable keys (see the module docstring)."""
+def dense_mask(batch: DraftBatch, window: int | None = None) -> DenseMask:
+    """The block mask for SDPA over each block's reachable keys (see the module docstring).
+
+    Full layers gather the first C = longest-sequence context rows of the anchor's sequence; sliding
+    layers only the W-1 rows before the anchor (no row of the block sees further back)."""
     device, T, B, A = batch.anchor_tok.device, batch.num_tokens, batch.block_size, batch.num_anchors
-    c = torch.arange(batch.max_seqlen, device=device)
-    # context column c of anchor a is row start+c; columns at or past p fold onto p itself (j == p: forbidden)
-    ctx_index = torch.minimum(batch.seq_start[batch.anchor_seq][:, None] + c, batch.anchor_tok[:, None])
+    p = batch.anchor_tok[:, None]
+    start = batch.seq_start[batch.anchor_seq][:, None]
+    if window is None:
+        c = torch.arange(batch.max_seqlen, device=device)
+        # context column c of anchor a is row start+c; columns at or past p fold onto p itself (j == p: forbidden)
+        ctx_index = torch.minimum(start + c, p)
+    else:
+        span = min(batch.max_seqlen, window - 1)
+        j = p - span + torch.arange(span, device=device)  # the W-1 rows before p; those before start fold onto p
+        ctx_index = torch.where(j >= start, j, p)
     block_keys = T + torch.arange(A, device=device)[:, None] * B + torch.arange(B, device=device)
     kv = torch.cat([ctx_index, block_keys], dim=1)  # [A, C+B] key indices in the full grid
-    q = torch.arange(A, device=device)[:, None] * B  # every row of a block sees the same keys
-    return DenseMask(key_index=kv, allowed=batch.allowed(q, kv)[:, None, None, :])
+    rows = 1 if window is None else B  # without a window every row of a block sees the same keys
+    q = torch.arange(A, device=device)[:, None, None] * B + torch.arange(rows, device=device)[:, None]
+    return DenseMask(key_index=kv, allowed=batch.allowed(q, kv[:, None, :], window)[:, None])
 
 
-def flex_mask(batch: DraftBatch, block: int = 128) -> BlockMask:
-    """The block mask as a FlexAttention BlockMask over [Q, T+Q] (tiles of `block`)."""
+FLEX_TILE = 128
+
+
+def flex_bucket(n: int) -> int:
+    """The padded length FlexAttention sees for n rows: the next of 128·2^k and 192·2^k (waste < 50%),
+    so compiled kernels and block masks are built once per bucket, not once per batch shape."""
+    size = FLEX_TILE
+    while True:
+        for cand in (size, size * 3 // 2):
+            if cand >= n:
+                return cand
+        size *= 2
+
+
+def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TILE) -> BlockMask:
+    """The block mask as a FlexAttention BlockMask over the padded grid [Qp, Tp + Qp]: context rows
+    padded to Tp = flex_bucket(T), block rows to Qp = flex_bucket(Q) (padding rows see nothing and are
+    seen by nobody). The mask function closes over tensors and bucket constants only, so torch.compile
+    reuses one graph per (bucket, window) instead of recompiling for every batch (consumer/model.py pads
+    q, k and v the same way)."""
+    device, T, B = batch.anchor_tok.device, batch.num_tokens, batch.block_size
+    Q = batch.num_anchors * B
+    Tp, Qp = flex_bucket(T), flex_bucket(Q)
+    Ap = -(-Qp // B)
+
+    def pad(t: Tensor, n: int, value) -> Tensor:
+        return torch.cat([t, t.new_full((n - t.numel(),), value)])
+
+    token_seq, ctx_pos = pad(batch.token_seq, Tp, -1), pad(batch.ctx_pos, Tp, 0)
+    anchor_seq, anchor_tok = pad(batch.anchor_seq, Ap, -2), pad(batch.anchor_tok, Ap, 0)
+    anchor_valid, block_pos = pad(batch.anchor_valid, Ap, False), pad(batch.block_pos, Qp, 0)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return batch.allowed(q_idx, kv_idx)
+        return _allowed(
+            q_idx,
+            kv_idx,
+            num_ctx=Tp,
+            block_size=B,
+            token_seq=token_seq,
+            ctx_pos=ctx_pos,
+            anchor_seq=anchor_seq,
+            anchor_tok=anchor_tok,
+            anchor_valid=anchor_valid,
+            block_pos=block_pos,
+            window=window,
+        )
 
-    q_len = batch.num_anchors * batch.block_size
-    device = batch.anchor_tok.device
     return create_block_mask(
         mask_mod,
         None,
         None,
-        q_len,
-        batch.num_tokens + q_len,
+        Qp,
+        Tp + Qp,
         device=device,
         BLOCK_SIZE=block,
         _compile=device.type == "cuda",  # a compiled builder never holds the dense [Q, T+Q] grid
     )
+
+
+def attention_masks(batch: DraftBatch, layer_types: list[str] | tuple[str, ...], window: int | None, flex: bool):
+    """One mask per attention kind the drafter's layers use: {"full_attention": ..., "sliding_attention": ...}."""
+    build = flex_mask if flex else dense_mask
+    return {kind: build(batch, window if kind == "sliding_attention" else None) for kind in set(layer_types)}

@@ -25,7 +25,7 @@ from common.config import DrafterConfig
 from consumer.kernels import weighted_ce
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 from consumer.model import DFlashDrafter, DrafterArch
-from consumer.objective import build_draft_batch, dense_mask, flex_mask
+from consumer.objective import attention_masks, build_draft_batch
 from consumer.target_parts import TargetParts, resolve_mask_token_id
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Trainer:
         embed = parts.embed_tokens.to(self.device, frozen_dtype)
         lm_head = embed if parts.tie_word_embeddings else parts.lm_head.to(self.device, frozen_dtype)
         self.parts = dataclasses.replace(parts, embed_tokens=embed, lm_head=lm_head)  # no host copies kept
-        self.arch = DrafterArch.from_target(parts, cfg.num_layers, len(self.target_layer_ids))
+        self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
         self.model = DFlashDrafter(self.arch, embed, lm_head, init_seed=self.seed).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [
@@ -175,10 +175,11 @@ class Trainer:
                 mask_token_id=self.mask_token_id,
                 gamma=cfg.loss_gamma,
                 generator=self.generator,
+                partial_blocks=cfg.partial_blocks,
             )
-            mask = flex_mask(batch) if self.use_flex else dense_mask(batch)
+            masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex)
         with self._timer("forward"), self._autocast():
-            h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, mask)
+            h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             loss_sum, correct = chunked_lm_head_loss(
                 h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
             )

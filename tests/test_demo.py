@@ -126,7 +126,7 @@ def test_evaluate_runs_every_drafter_of_the_job(quick_demo, capsys):
     job = load_job(job_path)
     parts = load_target_parts(job.target.path)
     for d in job.drafters:  # random drafters in the trainer's checkpoint layout
-        arch = DrafterArch.from_target(parts, d.num_layers, len(job.target.layer_ids))
+        arch = DrafterArch.from_target(parts, d, len(job.target.layer_ids))
         model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head)
         export = job.run_paths.checkpoints(d.name) / "step_1"
         export.mkdir(parents=True)

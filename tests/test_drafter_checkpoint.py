@@ -67,7 +67,7 @@ def test_export_keys_shapes_and_config(trained, tmp_path):
     assert cfg["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": LAYER_IDS}
     assert cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 2
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["tie_word_embeddings"] is False
-    assert cfg["vocab_size"] == 512 and cfg["rope_theta"] == trainer.parts.rope_theta
+    assert cfg["vocab_size"] == 512 and cfg["rope_theta"] == trainer.cfg.rope_theta == 1e6  # the drafter's own
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]) == (64, 128, 4)
     assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["max_position_embeddings"]) == (2, 16, 256)
     assert cfg["rms_norm_eps"] == trainer.parts.rms_norm_eps

@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from consumer.model import DFlashDrafter, DrafterArch
-from consumer.objective import build_draft_batch, dense_mask, flex_mask, slot_weights
+from consumer.objective import attention_masks, build_draft_batch, dense_mask, flex_bucket, flex_mask, slot_weights
 
 MASK = 99
 B = 3
 
 
-def hand_batch(seed: int = 0):
-    """Two sequences, lengths 6 and 4, block 3, 4 anchors per sequence. Candidates (loss_mask==1 and
-    p+3 <= S): seq 0 (loss_mask 0 at p=0) -> p in {1, 2, 3}; seq 1 -> p in {0, 1}. Every candidate is
-    drawn whatever the RNG, so the anchors are known: [1, 2, 3, pad] and [0, 1, pad, pad]."""
+def hand_batch(seed: int = 0, partial_blocks: bool = False):
+    """Two sequences, lengths 6 and 4, block 3, 4 anchors per sequence. Under the whole-block rule
+    (loss_mask==1 and p+3 <= S): seq 0 (loss_mask 0 at p=0) -> p in {1, 2, 3}; seq 1 -> p in {0, 1}.
+    Every candidate is drawn whatever the RNG, so the anchors are known: [1, 2, 3, pad] and
+    [0, 1, pad, pad]. (The partial-block rule's anchors of this batch: test_partial_block_anchors.)"""
     input_ids = torch.tensor([10, 11, 12, 13, 14, 15, 20, 21, 22, 23])
     loss_mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 0, 1], dtype=torch.uint8)
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
@@ -32,6 +33,7 @@ def hand_batch(seed: int = 0):
             mask_token_id=MASK,
             gamma=2.0,
             generator=torch.Generator().manual_seed(seed),
+            partial_blocks=partial_blocks,
         ),
         input_ids,
         loss_mask,
@@ -120,7 +122,8 @@ def test_slot_weights():
     assert slot_weights(4, 7.0).tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
 
 
-def test_anchor_sampling_rules_and_resampling():
+@pytest.mark.parametrize("partial_blocks", [True, False])
+def test_anchor_sampling_rules_and_resampling(partial_blocks):
     torch.manual_seed(0)
     lengths = [40, 25, 3, 30]
     T = sum(lengths)
@@ -139,15 +142,18 @@ def test_anchor_sampling_rules_and_resampling():
             mask_token_id=0,
             gamma=1.0,
             generator=gen,
+            partial_blocks=partial_blocks,
         )
         return batch.anchor_tok.view(-1, N), batch.anchor_valid.view(-1, N)
 
+    def candidate(p: int, s: int) -> bool:
+        if partial_blocks:  # supervised tokens at p and p+1 inside the sequence
+            return bool(loss_mask[p]) and p + 1 < cu[s + 1] and bool(loss_mask[p + 1])
+        return bool(loss_mask[p]) and p - cu[s] + Bs <= lengths[s]  # a whole block inside
+
     gen = torch.Generator().manual_seed(0)
     draws = [draw(gen) for _ in range(20)]
-    cands = [
-        [p for p in range(cu[s], cu[s + 1]) if loss_mask[p] and p - cu[s] + Bs <= lengths[s]]
-        for s in range(4)
-    ]
+    cands = [[p for p in range(cu[s], cu[s + 1]) if candidate(p, s)] for s in range(4)]
     seen = set()
     for tok, valid in draws:
         for s in range(len(lengths)):
@@ -205,3 +211,155 @@ def test_flex_and_dense_attention_give_the_same_output():
         flex = model(*args, flex_mask(batch, block=16))
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(dense).all()
+
+
+def test_partial_block_anchors_and_weights_of_the_hand_batch():
+    """The default rule: an anchor needs loss_mask 1 at p and p+1 inside its sequence; its block may run
+    past the end. Seq 0 (S=6, loss_mask 0 only at p=0) -> p in {1, 2, 3, 4} (p=5 has no p+1);
+    seq 1 (loss_mask [1, 1, 0, 1]) -> p=0 only (p=1: loss_mask[2]=0; p=3: no p+1)."""
+    batch, ids, _ = hand_batch(partial_blocks=True)
+    assert batch.anchor_tok.tolist() == [1, 2, 3, 4, 6, 6, 6, 6]
+    assert batch.anchor_valid.tolist() == [True, True, True, True, True, False, False, False]
+    w1 = math.exp(-1 / 2.0)
+    weights = batch.weights.view(-1, B).tolist()
+    # p=4 of seq 0: slot 1 is x[5] (the last token, a label now), slot 2 would be position 6: past the end
+    assert weights[3] == pytest.approx([0.0, 1.0, 0.0])
+    assert batch.labels.view(-1, B)[3, :2].tolist() == [14, 15]
+    assert batch.block_pos.view(-1, B)[3].tolist() == [4, 5, 6]
+    assert weights[2] == pytest.approx([0.0, 1.0, w1])  # p=3: whole block inside, as before
+    assert weights[4] == pytest.approx([0.0, 1.0, 0.0])  # seq 1 p=0: slot 2 lands on loss_mask 0
+    assert weights[5:] == [[0.0] * B] * 3  # padding
+
+
+def test_a_response_shorter_than_a_block_trains_its_end_of_turn_token():
+    """[prompt, answer, <eot>] with B=4: the whole-block rule finds no anchor at all; the default rule
+    anchors at the answer and makes <eot> the slot-1 label with full weight."""
+    ids = torch.tensor([5, 6, 7])  # 7 stands for the end-of-turn token
+    loss_mask = torch.tensor([0, 1, 1], dtype=torch.uint8)
+    common = dict(anchors_per_seq=2, block_size=4, mask_token_id=MASK, gamma=4.0)
+    old = build_draft_batch(
+        ids, loss_mask, torch.tensor([0, 3]), generator=torch.Generator(), partial_blocks=False, **common
+    )
+    assert not old.anchor_valid.any() and old.weights.sum() == 0
+    new = build_draft_batch(ids, loss_mask, torch.tensor([0, 3]), generator=torch.Generator(), **common)
+    assert new.anchor_tok.tolist() == [1, 0] and new.anchor_valid.tolist() == [True, False]
+    assert new.block_ids.view(-1, 4)[0].tolist() == [6, MASK, MASK, MASK]
+    assert new.labels.view(-1, 4)[0, 1].item() == 7
+    assert new.weights.view(-1, 4).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0] * 4]
+
+
+def window_batch():
+    """One sequence of 7 tokens whose only candidate anchor is p=5 (loss_mask 1 at 5 and 6), block 4:
+    block rows at positions 5, 6, 7, 8 (7 and 8 past the end)."""
+    ids = torch.arange(10, 17)
+    loss_mask = torch.tensor([0, 0, 0, 0, 0, 1, 1], dtype=torch.uint8)
+    return build_draft_batch(
+        ids,
+        loss_mask,
+        torch.tensor([0, 7]),
+        anchors_per_seq=1,
+        block_size=4,
+        mask_token_id=MASK,
+        gamma=4.0,
+        generator=torch.Generator(),
+    )
+
+
+def test_sliding_window_mask_literal():
+    """Window W=3 (smaller than the block, so the block part is cut too): slot k at position 5+k sees
+    context j < 5 with 5+k-j < 3, and block slot k' with |k-k'| < 3. Columns: context 0..6 | block 0..3."""
+    batch = window_batch()
+    assert batch.anchor_tok.tolist() == [5] and batch.block_pos.tolist() == [5, 6, 7, 8]
+    got = batch.allowed(torch.arange(4)[:, None], torch.arange(7 + 4)[None, :], window=3)
+    rows = ["0001100|1110", "0000100|1111", "0000000|1111", "0000000|0111"]
+    want = torch.tensor([[c == "1" for c in r.replace("|", "")] for r in rows])
+    assert torch.equal(got, want)
+    full = batch.allowed(torch.arange(4)[:, None], torch.arange(11)[None, :])
+    assert torch.equal(full, torch.tensor([[c == "1" for c in "11111001111"]] * 4))  # no window: j < p, whole block
+
+
+@pytest.mark.parametrize("window", [None, 3, 6, 100])
+def test_dense_mask_with_a_window_is_the_full_mask_on_the_gathered_keys(window):
+    torch.manual_seed(0)
+    lengths = [12, 9, 3]
+    Tn = sum(lengths)
+    batch = build_draft_batch(
+        torch.randint(0, 90, (Tn,)),
+        (torch.rand(Tn) > 0.2).to(torch.uint8),
+        torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        anchors_per_seq=5,
+        block_size=4,
+        mask_token_id=MASK,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(1),
+    )
+    dm = dense_mask(batch, window)
+    Q = batch.num_anchors * 4
+    full = batch.allowed(torch.arange(Q)[:, None], torch.arange(Tn + Q)[None, :], window)
+    for a in range(batch.num_anchors):
+        for k in range(4):
+            row = full[a * 4 + k]
+            allowed = dm.allowed[a, 0, k if window is not None else 0]
+            assert torch.equal(allowed, row[dm.key_index[a]])
+            assert sorted(dm.key_index[a][allowed].tolist()) == torch.nonzero(row)[:, 0].tolist()
+
+
+def test_flex_buckets():
+    assert [flex_bucket(n) for n in (1, 128, 129, 192, 193, 256, 257, 385, 5000)] == [
+        128, 128, 192, 192, 256, 256, 384, 512, 6144,
+    ]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_padded_flex_mask_is_the_predicate_on_the_real_rows(window):
+    """flex_mask pads T and Q up to buckets; on the real rows it is exactly `allowed`, padding is closed."""
+    torch.manual_seed(0)
+    lengths = [37, 20, 5]
+    Tn = sum(lengths)
+    batch = build_draft_batch(
+        torch.randint(0, 90, (Tn,)),
+        (torch.rand(Tn) > 0.2).to(torch.uint8),
+        torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        anchors_per_seq=7,
+        block_size=4,
+        mask_token_id=MASK,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(2),
+    )
+    Q = batch.num_anchors * 4
+    bm = flex_mask(batch, window, block=16)
+    Qp, KVp = bm.seq_lengths
+    Tp = KVp - Qp
+    assert (Qp, Tp) == (flex_bucket(Q), flex_bucket(Tn))
+    grid = bm.mask_mod(0, 0, torch.arange(Qp)[:, None], torch.arange(KVp)[None, :])
+    real = batch.allowed(torch.arange(Q)[:, None], torch.arange(Tn + Q)[None, :], window)
+    assert torch.equal(grid[:Q, :Tn], real[:, :Tn]) and torch.equal(grid[:Q, Tp : Tp + Q], real[:, Tn:])
+    assert not grid[Q:].any() and not grid[:, Tn:Tp].any() and not grid[:, Tp + Q :].any()
+
+
+def test_flex_and_dense_agree_with_sliding_layers():
+    torch.manual_seed(0)
+    arch = DrafterArch(32, 4, 2, 8, 64, 3, 2, 1e-6, 10000.0, layer_types=("sliding_attention", "full_attention",
+                       "sliding_attention"), sliding_window=6)
+    model = DFlashDrafter(arch, torch.randn(128, 32), torch.randn(128, 32))
+    lengths = [37, 20, 5]
+    Tn = sum(lengths)
+    batch = build_draft_batch(
+        torch.randint(0, 120, (Tn,)),
+        (torch.rand(Tn) > 0.2).to(torch.uint8),
+        torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        anchors_per_seq=7,
+        block_size=4,
+        mask_token_id=127,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(3),
+    )
+    args = (torch.randn(Tn, 2 * 32), batch.ctx_pos, batch.block_ids, batch.block_pos)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = model(*args, attention_masks(batch, arch.attention_layers, 6, flex=False))
+        flex = model(*args, attention_masks(batch, arch.attention_layers, 6, flex=True))
+        no_window = model(*args, {"full_attention": dense_mask(batch), "sliding_attention": dense_mask(batch)})
+    valid = batch.anchor_valid.repeat_interleave(4)
+    torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-5, atol=1e-5)
+    assert (dense[valid] - no_window[valid]).abs().max() > 1e-3  # the window changes what layers see
