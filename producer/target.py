@@ -1,54 +1,134 @@
 """The frozen target: load a local HF causal LM and capture the hidden states the drafter is conditioned on.
 
-Only the decoder stack up to the last captured layer is ever built: `load_target` reads the config, cuts
-`num_hidden_layers` to `max(layer_ids) + 1` before loading (the later layers' weights are never read into
-memory), drops the LM head and the final norm (kept only when the last layer itself is captured, since HF's
-hidden_states[N] is normed). The forward is then the model's own forward, so rotary
-embeddings, attention kernels and layer internals stay exactly the library's; forward hooks on the captured
-layers copy each output into its column block of the feature buffer. Compared to hooks on a full model that
-abort with an exception, nothing after the last layer is allocated or run, and no control flow is hijacked;
-compared to calling the layers by hand, no per-architecture layer signature is reimplemented.
+Loading. Any decoder-only causal LM transformers knows, including multimodal wrappers: the decoder is the
+class transformers maps the checkpoint's TEXT config to (`config.get_text_config()` →
+MODEL_FOR_CAUSAL_LM_MAPPING), so a `Qwen3_5ForConditionalGeneration` checkpoint (Qwen3.6-27B) loads as
+`Qwen3_5ForCausalLM`, the library's own key mapping renames `model.language_model.*` and the vision tower's
+tensors are never materialised (from_pretrained reads only the tensors the model has). The text config is cut
+to `max(layer_ids) + 1` layers before loading, so later layers are never read either; the LM head and the
+final norm are dropped (the norm is kept only when the last layer itself is captured, since HF's
+hidden_states[N] is normed). The forward is the model's own, so rotary embeddings, attention kernels and layer
+internals stay exactly the library's; forward hooks on the captured layers copy each output into its column
+block of the feature buffer.
 
-Packed batches: the tokens of B sequences lie end to end ([T] with cu_seqlens [B+1]). Position ids restart
-at 0 for every sequence, and the attention mask is the library's causal mask intersected with "same
-sequence" (a block-diagonal causal mask), built from host-side cu_seqlens, so no device sync is needed.
-A single sequence skips the mask (plain causal attention). On the CPU the one masked forward beat a loop
-over sequences by 2.7x on 2,048-token batches of ~250-token chats (bench/producer.py,
-`packed_over_per_sequence`): the loop pays the layer stack's Python overhead once per sequence, the mask
-only wastes attention FLOPs across sequences. On CUDA, flex_attention turns the same mask into a
-block-sparse one.
+Packed batches: the tokens of B sequences lie end to end ([T] with cu_seqlens [B+1]) and run as ONE forward,
+exact for every layer kind:
+- attention layers (full, sliding-window, attention sinks): position ids restart at 0 for every sequence and
+  no attention mask is passed, so the model's own mask builders (transformers.masking_utils) detect the
+  packing from the position ids and intersect THEIR mask (causal, sliding window, chunked) with "same
+  sequence". A hand-made block-diagonal mask would override a sliding window (it did: 0.2 off on Mistral).
+  The detection reads one bool from the device per mask kind (a sync per forward, not per layer).
+- linear-attention layers (Gated DeltaNet in qwen3_next / qwen3_5): their recurrent and convolution states
+  must restart per sequence. transformers' packed path (`cu_seq_lens_q` → `cu_seqlens`) needs the
+  flash-linear-attention kernels and refuses without them, and its conv1d fallback ignores boundaries; so
+  each linear-attention module is wrapped to run the sequences as a right-padded batch [B, max_len] (causal
+  layers: padding after a sequence never reaches it), the rest of the stack stays packed.
+- anything else (a layer kind with no packed path, or a model that fails the load-time leak probe: changing
+  sequence 1's tokens must leave sequence 2's features bit-identical) runs one forward per sequence; the reason
+  is logged once at load and every such batch is counted (`target_per_sequence_batches` in the producer's
+  stats). Never refused, never corrupted.
+
+Attention implementation ("auto"): on CUDA flex_attention where the model supports it (the packed mask becomes
+a block mask: no dense [T, T] tensor), else sdpa; on the CPU sdpa, else eager (gpt-oss: its attention sinks are
+implemented in eager and flex only).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import (
     create_causal_mask,
+    create_chunked_causal_mask,
     create_sliding_window_causal_mask,
-    packed_sequence_mask_function,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from common.config import dflash_layer_ids
+from common.profile import ProfileStats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the library's mask builder for each attention layer kind ("layer_masks" packing)
+MASK_BUILDERS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,
+}
+ATTENTION_KINDS = set(MASK_BUILDERS)
+LINEAR_KIND = "linear_attention"
+PROBE_TOLERANCE = {torch.float32: 1e-4}  # 16-bit dtypes: 5e-2 (rounding of a different expert batching)
+# (implementation, the model-class flag saying it is supported; eager always is)
+ATTN_FLAGS = (("flex_attention", "_supports_flex_attn"), ("sdpa", "_supports_sdpa"), ("eager", None))
+
+log = logging.getLogger("producer.target")
 
 
 class TargetLoadError(RuntimeError):
     """The target directory cannot be used; the message names the path and what is missing."""
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Where the packed sequences lie, for running a per-sequence module as a right-padded batch [B, L]."""
+
+    batch: int
+    max_len: int
+    gather: torch.Tensor  # [B·L] index into the packed tokens, T (a zero row) for padding
+    scatter: torch.Tensor  # [T] index of each packed token in the flattened padded batch
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor, device: torch.device) -> Segments:
+        lengths = lengths.to("cpu", torch.int64)
+        total, batch, max_len = int(lengths.sum()), len(lengths), int(lengths.max())
+        starts = torch.cumsum(lengths, 0) - lengths
+        pos = torch.arange(max_len)
+        valid = pos[None, :] < lengths[:, None]  # [B, L]
+        gather = torch.where(valid, starts[:, None] + pos[None, :], torch.tensor(total)).flatten()
+        scatter = (torch.arange(batch)[:, None] * max_len + pos[None, :])[valid]
+        return cls(batch, max_len, gather.to(device, non_blocking=True), scatter.to(device, non_blocking=True))
+
+
+class PaddedBatchMixer(nn.Module):
+    """Runs a recurrent token mixer (e.g. Gated DeltaNet) on packed sequences as a right-padded batch.
+
+    The wrapped module is the model's own; only its input is regrouped, so no state crosses sequences.
+    """
+
+    def __init__(self, inner: nn.Module, capture: TargetCapture):
+        super().__init__()
+        self.inner = inner
+        self._capture = [capture]  # a list: not registered as a submodule
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        seg = self._capture[0].segments
+        if seg is None:  # one sequence: nothing to keep apart
+            return self.inner(hidden_states)
+        flat = hidden_states[0]  # [T, H]
+        padded = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])[seg.gather]
+        out = self.inner(padded.view(seg.batch, seg.max_len, -1))  # no cache, no mask: padding is at the end
+        return out.reshape(seg.batch * seg.max_len, -1)[seg.scatter].unsqueeze(0)
+
+
 class TargetCapture:
     """A frozen, truncated target that returns concat(outputs of decoder layers in `layer_ids`) per token."""
 
     def __init__(
-        self, model: nn.Module, config: PretrainedConfig, layer_ids: list[int], num_target_layers: int
+        self,
+        model: nn.Module,
+        config: PretrainedConfig,
+        layer_ids: list[int],
+        num_target_layers: int,
+        *,
+        probe: bool = True,
     ):
         self.model = model  # the base decoder (no LM head), truncated after max(layer_ids)
         self.config = config
@@ -56,6 +136,10 @@ class TargetCapture:
         self.num_target_layers = num_target_layers
         self.hidden_size = int(config.hidden_size)
         self.param = next(model.parameters())
+        self.attn_implementation = config._attn_implementation
+        self.prof: ProfileStats | None = None  # set by the producer: counts per-sequence batches
+        self.per_sequence_batches = 0
+        self.segments: Segments | None = None  # set during a packed forward
         self._out: torch.Tensor | None = None
         # HF's hidden_states[N] is the final-normed output, so the last layer is read from the model output
         self.last_block = (
@@ -64,6 +148,30 @@ class TargetCapture:
         for k, i in enumerate(self.layer_ids):
             if k != self.last_block:
                 model.layers[i].register_forward_hook(self._copy_hook(k))
+        self.packing = "position_ids"  # how a packed batch keeps its sequences apart (module docstring)
+        self.per_sequence_reason = self._wrap_linear_layers()
+        if self.per_sequence_reason is None and probe:
+            self.per_sequence_reason = self._choose_packing()
+        if self.per_sequence_reason:
+            self.packing = "per_sequence"
+            log.warning("packed batches run one forward per sequence: %s", self.per_sequence_reason)
+
+    def _choose_packing(self) -> str | None:
+        """The first packing mode that passes the leak probe; else the reason none does."""
+        tol = PROBE_TOLERANCE.get(self.dtype, 5e-2)
+        modes = ["position_ids"]
+        if set(getattr(self.config, "layer_types", None) or []) <= MASK_BUILDERS.keys():
+            modes.append("layer_masks")
+        leaks = {}
+        for mode in modes:
+            self.packing = mode
+            leaks[mode] = self.packing_leak()
+            if leaks[mode] <= tol:
+                return None
+        return (
+            f"{type(self.model).__name__}: changing one packed sequence's tokens changed another's features"
+            f" (relative change {', '.join(f'{m} {v:.2g}' for m, v in leaks.items())}; tolerance {tol:g})"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -80,6 +188,40 @@ class TargetCapture:
     @property
     def layers_run(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def packed(self) -> bool:
+        """True when a batch of several sequences runs as one forward."""
+        return self.per_sequence_reason is None
+
+    def _wrap_linear_layers(self) -> str | None:
+        """Wrap every linear-attention mixer in PaddedBatchMixer; the reason packing is impossible, or None."""
+        kinds = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.layers_run)
+        unknown = sorted(set(kinds) - ATTENTION_KINDS - {LINEAR_KIND})
+        if unknown:
+            return f"layer types {unknown} have no packed path"
+        for i, kind in enumerate(kinds):
+            if kind != LINEAR_KIND:
+                continue
+            layer = self.model.layers[i]
+            if not isinstance(getattr(layer, "linear_attn", None), nn.Module):
+                return f"linear-attention layer {i} ({type(layer).__name__}) has no `linear_attn` module to wrap"
+            layer.linear_attn = PaddedBatchMixer(layer.linear_attn, self)
+        return None
+
+    @torch.inference_mode()
+    def packing_leak(self) -> float:
+        """Leak probe: two packed sequences; the largest relative change (per token, L2) of the second one's
+        features when the first one's tokens change. Zero up to rounding when packing keeps them apart
+        (MoE expert batches see other tokens, so not bit-exact); order 1 when anything crosses over."""
+        gen = torch.Generator().manual_seed(0)
+        vocab = int(self.config.vocab_size)
+        first_a, first_b = torch.randint(0, vocab, (2, 13), generator=gen)
+        second = torch.randint(0, vocab, (7,), generator=gen)
+        cu = torch.tensor([0, 13, 20])
+        a = self._packed(torch.cat([first_a, second]), cu)[13:].float()
+        b = self._packed(torch.cat([first_b, second]), cu)[13:].float()
+        return float(((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)).max())
 
     def _copy_hook(self, k: int):
         h = self.hidden_size
@@ -99,18 +241,41 @@ class TargetCapture:
         `out` (optional, [T, n·H], target dtype, on the target's device) receives the features in place, e.g.
         a view into a ring slot, so they are written once.
         """
-        total = int(input_ids.shape[0])
-        lengths = torch.diff(cu_seqlens.to("cpu", torch.int64))
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((lengths <= 0).any()):
-            raise ValueError(
-                f"cu_seqlens {cu_seqlens.tolist()} does not split {total} tokens into non-empty runs"
-            )
+        if self.packed or len(cu_seqlens) == 2:
+            return self._packed(input_ids, cu_seqlens, out)
+        return self.forward_per_sequence(input_ids, cu_seqlens, out)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def forward_per_sequence(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The fallback: one forward per sequence (also the baseline bench/producer.py measures against)."""
+        _, out = self._check(input_ids, cu_seqlens, out)
+        self.per_sequence_batches += 1
+        if self.prof is not None:
+            self.prof.count("target_per_sequence_batches")
+        cu = cu_seqlens.tolist()
+        for s, e in itertools.pairwise(cu):
+            self._run(input_ids[s:e], torch.arange(e - s), out[s:e], None)
+        return out
+
+    def _packed(self, input_ids, cu_seqlens, out=None) -> torch.Tensor:
+        lengths, out = self._check(input_ids, cu_seqlens, out)
         seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T]
-        positions = torch.arange(total) - (cu_seqlens[:-1].to(torch.int64))[seq_idx]  # restart per sequence
+        positions = torch.arange(len(seq_idx)) - cu_seqlens[:-1].to("cpu", torch.int64)[seq_idx]
+        segments = Segments.from_lengths(lengths, self.device) if len(lengths) > 1 else None
+        self._run(input_ids, positions, out, segments)
+        return out
+
+    def _check(self, input_ids, cu_seqlens, out) -> tuple[torch.Tensor, torch.Tensor]:
+        total = int(input_ids.shape[0])
+        cu = cu_seqlens.to("cpu", torch.int64)
+        lengths = torch.diff(cu)
+        if len(cu) < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths <= 0).any()):
+            raise ValueError(f"cu_seqlens {cu.tolist()} does not split {total} tokens into non-empty runs")
         dev = self.device
-        ids = input_ids.to(dev, non_blocking=True).view(1, total)
-        positions = positions.to(dev, non_blocking=True).view(1, total)
-        seq_idx = seq_idx.to(dev, non_blocking=True).view(1, total)
         if out is None:
             out = torch.empty(total, self.feature_width, dtype=self.dtype, device=dev)
         elif out.shape != (total, self.feature_width) or out.dtype != self.dtype or out.device != dev:
@@ -118,43 +283,40 @@ class TargetCapture:
                 f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected"
                 f" {(total, self.feature_width)} {self.dtype} on {dev}"
             )
-        embeds = self.model.get_input_embeddings()(ids)  # [1, T, H]
-        self._out = out
+        return lengths, out
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, segments) -> None:
+        """One model forward over `ids` [t] with `positions` [t]; the captured layers land in `out` [t, n·H]."""
+        dev, t = self.device, int(ids.shape[0])
+        ids = ids.to(dev, non_blocking=True).view(1, t)
+        positions = positions.to(dev, non_blocking=True).view(1, t)
+        embeds = self.model.get_input_embeddings()(ids)
+        mask = None  # "position_ids": the model's mask builders read the packing from the position ids
+        if self.packing == "layer_masks":  # models that do not hand position ids to their mask builders
+            kw = dict(config=self.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions)
+            mask = {kind: MASK_BUILDERS[kind](**kw) for kind in set(self.config.layer_types)}
+        self._out, self.segments = out, segments
         try:
-            result = self.model(
-                inputs_embeds=embeds,
-                attention_mask=self.packed_attention_mask(embeds, seq_idx) if len(lengths) > 1 else None,
-                position_ids=positions,
-            )
+            result = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False)
         finally:
-            self._out = None
+            self._out, self.segments = None, None
         if self.last_block is not None:
             h = self.hidden_size
             out[:, self.last_block * h : (self.last_block + 1) * h].copy_(result.last_hidden_state[0])
-        return out
 
-    __call__ = forward
 
-    def packed_attention_mask(self, embeds: torch.Tensor, seq_idx: torch.Tensor):
-        """Block-diagonal causal mask(s) in the format the model's attention implementation wants."""
-        same_sequence = packed_sequence_mask_function(seq_idx)
-        kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=None, cache=None)
-        layer_types = set(getattr(self.config, "layer_types", None) or ["full_attention"])
-        makers = {
-            "full_attention": create_causal_mask,
-            "sliding_attention": create_sliding_window_causal_mask,
-        }
-        unknown = layer_types - makers.keys()
-        if unknown:
-            raise NotImplementedError(f"packed masks for layer types {sorted(unknown)} are not supported")
-        masks = {t: makers[t](**kwargs, and_mask_function=same_sequence) for t in layer_types}
-        if any(m is None for m in masks.values()):
-            raise NotImplementedError(
-                f"attention implementation {self.config._attn_implementation!r} builds no packed mask;"
-                " use eager, sdpa or flex_attention"
-            )
-        # a ready 4D mask is passed through as-is by every model's mask preparation
-        return masks["full_attention"] if layer_types == {"full_attention"} else masks
+def choose_attn_implementation(model_cls: type, requested: str, device: str) -> str:
+    """The attention implementation to load `model_cls` with ("auto": see the module docstring)."""
+    supported = [impl for impl, flag in ATTN_FLAGS if flag is None or getattr(model_cls, flag, False)]
+    if requested == "auto":
+        order = ("flex_attention", "sdpa", "eager") if device.startswith("cuda") else ("sdpa", "eager")
+        return next(impl for impl in order if impl in supported)
+    if requested not in supported:
+        raise TargetLoadError(
+            f"{model_cls.__name__} does not support attn_implementation {requested!r}; it supports"
+            f" {supported} (or set target.attn_implementation = \"auto\")"
+        )
+    return requested
 
 
 def load_target(
@@ -163,7 +325,7 @@ def load_target(
     num_features: int = 5,
     dtype: str = "bfloat16",
     device: str = "cpu",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
 ) -> TargetCapture:
     """Load the target in `path` (local files only) truncated after its last captured layer, frozen, eval mode.
 
@@ -172,7 +334,14 @@ def load_target(
     """
     path = Path(path)
     config = _read_config(path)
-    n_layers = int(config.num_hidden_layers)
+    text = copy.deepcopy(config.get_text_config())
+    model_cls = _causal_lm_class(config, text, path)
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n_layers, int):
+        raise TargetLoadError(
+            f"{path}/config.json: {type(text).__name__} has no num_hidden_layers; the producer needs the decoder's"
+            " layer count to choose and truncate the captured layers"
+        )
     ids = list(layer_ids) if layer_ids else dflash_layer_ids(n_layers, num_features)
     bad = [i for i in ids if not 0 <= i < n_layers]
     if bad or len(set(ids)) != len(ids):
@@ -180,12 +349,14 @@ def load_target(
             f"{path}: target layer ids {ids} must be distinct and within 0..{n_layers - 1} ({n_layers} layers);"
             " set target.layer_ids or fewer target.num_features"
         )
-    keep = max(ids) + 1
-    config.num_hidden_layers = keep
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:keep]
     if dtype not in DTYPES:
         raise TargetLoadError(f"{path}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    keep = max(ids) + 1
+    text.num_hidden_layers = keep
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:keep]
+    attn = choose_attn_implementation(model_cls, attn_implementation, device)
+    check_weight_files(path)
     # The skipped layers' weights are "unexpected" by design; the report about them is silenced and any
     # missing weight is turned into an error instead (a random layer would silently corrupt the features).
     report_logger = logging.getLogger("transformers.modeling_utils")
@@ -193,16 +364,14 @@ def load_target(
     try:
         full, info = AutoModelForCausalLM.from_pretrained(
             path,
-            config=config,
+            config=text,
             local_files_only=True,
             dtype=DTYPES[dtype],
-            attn_implementation=attn_implementation,
+            attn_implementation=attn,
             output_loading_info=True,
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        weights = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
-        found = f"weight files present: {weights}" if weights else "no *.safetensors or *.bin weight files"
-        raise TargetLoadError(f"{path}: cannot load the target's weights ({found}): {err}") from err
+        raise TargetLoadError(f"{path}: cannot load the target's weights ({_weights_present(path)}): {err}") from err
     finally:
         report_logger.removeFilter(_errors_only)
     missing = sorted(k for k in info["missing_keys"] if not k.startswith("lm_head"))
@@ -220,6 +389,67 @@ def load_target(
     return TargetCapture(model, model.config, ids, n_layers)
 
 
+def _causal_lm_class(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> type:
+    """transformers' causal-LM class for the text config; a clear error naming the architecture when none."""
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+    except KeyError:
+        arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise TargetLoadError(
+            f"{path}: unsupported target architecture {arch} (model_type {config.model_type!r}): transformers"
+            f" has no causal-LM class for its text config {type(text).__name__} (model_type"
+            f" {text.model_type!r}), and the producer runs the text decoder through that class"
+        ) from None
+
+
+def check_weight_files(path: Path) -> None:
+    """Every safetensors file the target lists opens and holds the bytes its header promises (names the file)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise TargetLoadError(f"{index}: not a safetensors index (a JSON object with weight_map): {err}") from None
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        check_safetensors_file(file)
+
+
+def check_safetensors_file(file: Path) -> None:
+    """Read `file`'s header and compare the bytes it declares with the file's size (a truncated download)."""
+    if not file.is_file():
+        raise TargetLoadError(f"{file}: listed in the safetensors index but missing")
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        if size < 8 or header_len > size - 8:
+            raise TargetLoadError(
+                f"{file}: truncated or not a safetensors file ({size} bytes; its first 8 bytes announce a"
+                f" {header_len}-byte header)"
+            )
+        try:
+            header = json.loads(fh.read(header_len))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+            raise TargetLoadError(f"{file}: corrupt safetensors header (not a JSON tensor table: {err})") from None
+    if 8 + header_len + end != size:
+        raise TargetLoadError(
+            f"{file}: truncated or corrupt: its header declares {8 + header_len + end} bytes, the file has {size}"
+        )
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise TargetLoadError(f"{file}: not a readable safetensors file: {err}") from None
+
+
+def _weights_present(path: Path) -> str:
+    weights = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
+    return f"weight files present: {weights}" if weights else "no *.safetensors or *.bin weight files"
+
+
 def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
@@ -227,10 +457,14 @@ def _errors_only(record: logging.LogRecord) -> bool:
 def _read_config(path: Path) -> PretrainedConfig:
     if not path.is_dir():
         raise TargetLoadError(f"{path}: target model directory does not exist")
-    if not (path / "config.json").is_file():
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
         raise TargetLoadError(f"{path}: no config.json in the target model directory")
     try:
-        json.loads((path / "config.json").read_text())
+        json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TargetLoadError(f"{cfg_file}: not valid JSON: {err}") from None
+    try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
-        raise TargetLoadError(f"{path}/config.json: not a usable model config: {err}") from err
+        raise TargetLoadError(f"{cfg_file}: not a usable model config: {err}") from err

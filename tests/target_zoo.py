@@ -8,8 +8,8 @@ sinks (gpt-oss), Gated DeltaNet linear attention (qwen3_next, qwen3_5), llama3 R
 RoPE (gemma3), and the Qwen3.6-27B multimodal wrapper (`Qwen3_5ForConditionalGeneration`: text decoder under
 `model.language_model.`, a vision tower under `model.visual.`).
 
-Stable API (the drafter matrix builds on it): ARCHS, EXAMPLES, SLIDING_WINDOW, VOCAB_SIZE, build_target,
-build_tokenizer.
+Stable API (the drafter matrix builds on it): ARCHS, EXAMPLES, SLIDING_WINDOW, VOCAB_SIZE, MASK_ID, EOS_ID,
+build_target(arch, out_dir, *, seed=0, num_layers=None), build_tokenizer(out_dir=None), text_config(arch).
 """
 
 from __future__ import annotations
@@ -93,11 +93,24 @@ _LINEAR = dict(  # Gated DeltaNet dims; 4 layers = 3 linear + 1 full (full_atten
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-def _cfg(cls: type[PretrainedConfig], **kw) -> Callable[[], PretrainedConfig]:
-    return lambda: cls(**{**_COMMON, "num_hidden_layers": 3, **kw})
+def _cfg(cls: type[PretrainedConfig], **kw) -> Callable[..., PretrainedConfig]:
+    args = {**_COMMON, "num_hidden_layers": 3, **kw}
+
+    def make(num_layers: int | None = None) -> PretrainedConfig:
+        final = dict(args)
+        if num_layers is not None:
+            final["num_hidden_layers"] = num_layers
+            if final.get("layer_types"):  # repeat the pattern; hybrid configs derive theirs from the count
+                final["layer_types"] = [args["layer_types"][i % len(args["layer_types"])] for i in range(num_layers)]
+        return cls(**{k: v for k, v in final.items() if v is not _DERIVED})
+
+    return make
 
 
-_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+_DERIVED = object()  # leave the field to the config class (DeepSeek-V3 derives head_dim from its MLA dims)
+
+
+_CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
     "llama": _cfg(LlamaConfig),
     "llama3_rope": _cfg(
         LlamaConfig,
@@ -132,6 +145,7 @@ _CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3_5_moe": _cfg(Qwen3_5MoeTextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32),
     "deepseek_v3": _cfg(
         DeepseekV3Config,
+        head_dim=_DERIVED,
         num_key_value_heads=4,
         kv_lora_rank=16,
         q_lora_rank=24,
@@ -161,13 +175,13 @@ _CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 ARCHS: list[str] = [*_CONFIGS, "qwen3_5_vl"]
 
 
-def text_config(arch: str) -> PretrainedConfig:
-    """The (text) config `build_target(arch, ...)` uses for the decoder."""
+def text_config(arch: str, num_layers: int | None = None) -> PretrainedConfig:
+    """The (text) config `build_target(arch, ...)` uses for the decoder (default 3 layers, hybrids 4)."""
     if arch == "qwen3_5_vl":
-        return _CONFIGS["qwen3_5_text"]()
+        arch = "qwen3_5_text"
     if arch not in _CONFIGS:
         raise ValueError(f"unknown zoo architecture {arch!r}; choose one of {ARCHS}")
-    return _CONFIGS[arch]()
+    return _CONFIGS[arch](num_layers)
 
 
 def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -191,13 +205,13 @@ def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFas
     return tok
 
 
-def build_target(arch: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+def build_target(arch: str, out_dir: str | Path, *, seed: int = 0, num_layers: int | None = None) -> Path:
     """Save a random `arch` target (fp32 weights) with its tokenizer into `out_dir`; return `out_dir`."""
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     if arch == "qwen3_5_vl":
         config = Qwen3_5Config(
-            text_config=_CONFIGS["qwen3_5_text"]().to_dict(),
+            text_config=text_config(arch, num_layers).to_dict(),
             vision_config=dict(
                 depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                 patch_size=4, num_position_embeddings=16,
@@ -206,7 +220,7 @@ def build_target(arch: str, out_dir: str | Path, *, seed: int = 0) -> Path:
         )
         model = Qwen3_5ForConditionalGeneration(config)
     else:
-        model = AutoModelForCausalLM.from_config(text_config(arch), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(text_config(arch, num_layers), dtype=torch.float32)
     model.eval().save_pretrained(str(out_dir))
     build_tokenizer(out_dir)
     return out_dir

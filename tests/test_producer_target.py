@@ -1,12 +1,15 @@
-"""Target capture: features equal HF output_hidden_states, packed sequences stay independent, tail never runs."""
+"""Target capture: features equal HF output_hidden_states, packed sequences stay independent, tail never runs.
+
+The architecture matrix (every layer kind, multimodal wrappers) is tests/test_targets_matrix.py.
+"""
 
 import json
 
 import pytest
 import torch
+from target_zoo import build_target
 from transformers import AutoModelForCausalLM
 
-from demo.tiny import build_tiny_target, train_tokenizer
 from producer.target import TargetLoadError, load_target
 
 N_LAYERS = 6
@@ -14,9 +17,7 @@ N_LAYERS = 6
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("target")
-    tok = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, 400, root / "tok")
-    return build_tiny_target(root / "model", tok, num_layers=N_LAYERS, seed=3)
+    return build_target("qwen3", tmp_path_factory.mktemp("target") / "model", num_layers=N_LAYERS, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +25,9 @@ def full_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
 
 
-def reference(full_model, ids, layer_ids, attention_mask=None, position_ids=None):
+def reference(full_model, ids, layer_ids, position_ids=None):
     with torch.no_grad():
-        hs = full_model(
-            ids[None], attention_mask=attention_mask, position_ids=position_ids, output_hidden_states=True
-        ).hidden_states
+        hs = full_model(ids[None], position_ids=position_ids, use_cache=False, output_hidden_states=True).hidden_states
     return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
 
 
@@ -48,11 +47,10 @@ def test_packed_batch_equals_full_model_on_the_same_packed_input(model_dir, full
     cu = torch.tensor([0, 5, 22, 23, 53])
     ids = torch.randint(0, full_model.config.vocab_size, (53,), generator=torch.Generator().manual_seed(1))
     feats = cap(ids, cu)
-    # exact: the full model given the same block-diagonal mask and restarting positions
-    seq_idx = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))[None]
-    mask = cap.packed_attention_mask(full_model.get_input_embeddings()(ids[None]), seq_idx)
+    # exact: the full model on the same packed input (transformers' own packed path: restarting positions)
+    assert cap.packing == "position_ids"
     positions = torch.cat([torch.arange(n) for n in lens])[None]
-    assert torch.equal(feats, reference(full_model, ids, cap.layer_ids, mask, positions))
+    assert torch.equal(feats, reference(full_model, ids, cap.layer_ids, positions))
     # independent: each sequence alone gives the same features (up to fp32 reduction order)
     for b in range(4):
         s, e = int(cu[b]), int(cu[b + 1])
@@ -104,8 +102,18 @@ def test_load_errors_name_the_path(model_dir, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text((model_dir / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)
-    with pytest.raises(TargetLoadError, match=r"broken: cannot load.*model.safetensors"):
+    with pytest.raises(TargetLoadError, match=r"broken/model.safetensors: corrupt safetensors header"):
         load_target(broken, num_features=2, dtype="float32")
+    data = (model_dir / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(TargetLoadError, match=r"broken/model.safetensors: truncated or corrupt: its header declares"):
+        load_target(broken, num_features=2, dtype="float32")
+    (broken / "model.safetensors").write_bytes(data[:8] + b"{" * (len(data) - 8))
+    with pytest.raises(TargetLoadError, match=r"broken/model.safetensors: corrupt safetensors header"):
+        load_target(broken, num_features=2, dtype="float32")
+    (broken / "config.json").write_text('{"model_type": "qwen3", ')
+    with pytest.raises(TargetLoadError, match=r"broken/config.json: not valid JSON"):
+        load_target(broken)
     with pytest.raises(TargetLoadError, match=r"layer ids \[1, 6\]"):
         load_target(model_dir, layer_ids=[1, 6])
     bad_cfg = tmp_path / "bad_cfg"
