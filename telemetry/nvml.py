@@ -134,15 +134,24 @@ class NvmlSampler:
         for t in self._threads:
             t.start()
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        """Stop the threads within timeout_s in all; True when they joined. NVML is shut down only then: a
+        thread still inside an NVML call (a hung driver) must not find the library gone under it."""
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            self.log.error("NVML: thread(s) %s did not stop within %.1f s (a hung driver call?); NVML left"
+                           " initialised", stuck, timeout_s)
+            return False
         if self.available:
             try:
                 self.nv.nvmlShutdown()
             except Exception as err:
                 self.log.debug("nvmlShutdown: %s", err)
+        return True
 
     def sample_once(self, slow: bool) -> None:
         """Read every supported field of every device (the sampler thread calls this)."""
@@ -195,7 +204,12 @@ class NvmlSampler:
         n = 0
         while not self._stop.is_set():
             t0 = time.monotonic()
-            self.sample_once(slow=n % self.slow_every == 0)
+            try:
+                self.sample_once(slow=n % self.slow_every == 0)
+            except Exception:  # not an NVMLError (a binding that changed shape): keep sampling, say it once
+                self.errors += 1
+                if self.errors == 1:
+                    self.log.exception("NVML: sampling failed")
             n += 1
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 

@@ -2,11 +2,12 @@
 
 import logging
 import struct
-import types
 import zlib
 
 import msgpack
+import pynvml
 import pytest
+from fake_nvml import FakeNvml
 
 from common.profile import ProfileStats
 from common.stats import StatsDecodeError, StatsPayload, decode_stats, encode_stats
@@ -203,64 +204,8 @@ def test_metric_names_are_wandb_safe():
 # ---- NVML --------------------------------------------------------------------------------------
 
 
-class _NVMLError(Exception):
-    pass
-
-
-def fake_nvml(init_error: type | None = None):
-    """A stand-in for pynvml: one GPU; PCIe throughput is not supported."""
-    nv = types.SimpleNamespace(calls={})
-    nv.NVMLError = _NVMLError
-    nv.NVMLError_NotSupported = type("NotSupported", (_NVMLError,), {})
-    nv.NVMLError_GpuIsLost = type("GpuIsLost", (_NVMLError,), {})
-    nv.NVMLError_Timeout = type("Timeout", (_NVMLError,), {})
-    nv.NVMLError_LibraryNotFound = type("LibraryNotFound", (_NVMLError,), {})
-    for const in ("NVML_TEMPERATURE_GPU", "NVML_CLOCK_SM", "NVML_CLOCK_MEM", "NVML_PCIE_UTIL_TX_BYTES",
-                  "NVML_PCIE_UTIL_RX_BYTES", "NVML_VOLATILE_ECC", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
-                  "NVML_MEMORY_ERROR_TYPE_CORRECTED", "nvmlEventTypeXidCriticalError"):  # fmt: skip
-        setattr(nv, const, 0)
-    energy = iter(range(0, 10**9, 50_000))  # +50 J per read
-
-    def counted(name, fn):
-        def call(*args):
-            nv.calls[name] = nv.calls.get(name, 0) + 1
-            return fn(*args)
-
-        return call
-
-    def unsupported(*_):
-        raise nv.NVMLError_NotSupported("not supported")
-
-    def init():
-        if init_error:
-            raise init_error("NVML Shared Library Not Found")
-
-    fns = {
-        "nvmlInit": init,
-        "nvmlShutdown": lambda: None,
-        "nvmlDeviceGetCount": lambda: 1,
-        "nvmlDeviceGetHandleByIndex": lambda i: f"h{i}",
-        "nvmlDeviceGetUUID": lambda h: "GPU-0000",
-        "nvmlDeviceGetName": lambda h: "Fake H200",
-        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=87, memory=40),
-        "nvmlDeviceGetMemoryInfo": lambda h: types.SimpleNamespace(used=2**30, total=2**34),
-        "nvmlDeviceGetPowerUsage": lambda h: 350_000,
-        "nvmlDeviceGetEnforcedPowerLimit": lambda h: 700_000,
-        "nvmlDeviceGetTotalEnergyConsumption": lambda h: next(energy),
-        "nvmlDeviceGetTemperature": lambda h, s: 61,
-        "nvmlDeviceGetClockInfo": lambda h, c: 1980,
-        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0x4,
-        "nvmlDeviceGetPcieThroughput": unsupported,
-        "nvmlDeviceGetTotalEccErrors": lambda h, e, c: 0,
-        "nvmlDeviceGetRemappedRows": lambda h: (1, 0, False, False),
-    }
-    for name, fn in fns.items():
-        setattr(nv, name, counted(name, fn))
-    return nv
-
-
 def test_nvml_fields_sampled_and_unsupported_ones_dropped_after_first_failure(caplog):
-    nv = fake_nvml()
+    nv = FakeNvml(("GPU-0000",), unsupported=("nvmlDeviceGetPcieThroughput",))
     sampler = NvmlSampler(1.0, logging.getLogger("t"), nvml=nv)
     assert sampler.available and [d.uuid for d in sampler.devices] == ["GPU-0000"]
     with caplog.at_level(logging.INFO):
@@ -271,7 +216,7 @@ def test_nvml_fields_sampled_and_unsupported_ones_dropped_after_first_failure(ca
     assert nv.calls["nvmlDeviceGetRemappedRows"] == 1
     assert sum("not supported" in r.message for r in caplog.records) == 2
     (first,) = sampler.window(now=10.0)
-    assert first["util_pct"] == 87 and first["power_w"] == 350.0 and first["power_limit_w"] == 700.0
+    assert first["util_pct"] == 80 and first["power_w"] == 350.0 and first["power_limit_w"] == 700.0
     assert first["clock_event_power_cap"] == 1.0 and first["clock_event_thermal"] == 0.0
     assert first["remapped_rows_correctable"] == 1
     assert "pcie_tx_bytes_per_s" not in first and "energy_avg_w" not in first
@@ -282,7 +227,7 @@ def test_nvml_fields_sampled_and_unsupported_ones_dropped_after_first_failure(ca
 
 
 def test_nvml_absent_is_reported_once_and_sampler_stays_empty(caplog):
-    nv = fake_nvml(init_error=_NVMLError)
+    nv = FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
     with caplog.at_level(logging.INFO):
         sampler = NvmlSampler(1.0, logging.getLogger("t"), nvml=nv)
         sampler.start()
