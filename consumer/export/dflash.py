@@ -1,25 +1,38 @@
 """DFlash drafter for transformers: the modeling file shipped inside every exported checkpoint.
 
-    model = AutoModel.from_pretrained(ckpt_dir, trust_remote_code=True, local_files_only=True)
+    draft = AutoModel.from_pretrained(ckpt_dir, trust_remote_code=True, local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    out = draft.spec_generate(input_ids=ids, max_new_tokens=256, temperature=0.0, target=target,
+                              stop_token_ids=[eos])                     # [1, prompt + new] token ids
 
 Self-contained (torch + transformers only). The drafter owns neither the token embedding nor the
-lm_head: like SGLang and vLLM, pass the target's. One draft step for a sequence of S committed tokens:
+lm_head: like SGLang and vLLM it uses the target's. One draft step at anchor position p (the last
+committed token), given the target features of the context positions not yet in the draft cache:
 
-    ctx = concat(target hidden_states[l + 1] for l in model.target_layer_ids)     # [1, S, n·H]
-    block = [last committed token, mask_token_id × (block_size - 1)]              # positions S..S+B-1
-    h = model(noise_embedding=target_embed(block), target_hidden=ctx)            # [1, B, H]
+    ctx = concat(target hidden_states[l + 1] for l in model.target_layer_ids)     # [1, S_new, n·H]
+    block = [last committed token, mask_token_id × (block_size - 1)]              # positions p..p+B-1
+    h = model(noise_embedding=target_embed(block), target_hidden=ctx,
+              past_key_values=cache, use_cache=True)                             # [1, B, H]
     draft = target_lm_head(h)[:, 1:].argmax(-1)                                  # B-1 draft tokens
 
 Layers are Qwen3 layers whose keys/values also carry the fused target context (context rows skip
-the input norm, Q, O and MLP); attention is non-causal; RoPE uses absolute positions.
+the input norm, Q, O and MLP); attention is non-causal; RoPE uses absolute positions and the
+drafter's own base/scaling (config.rope_parameters). A sliding layer (config.layer_types) lets a
+query at position i see a key at position j only when |i - j| < sliding_window, as in training
+(consumer/objective.py). The draft KV cache holds context rows only: each step feeds just the newly
+accepted positions' features; the block's own keys are recomputed every step and never cached.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, Qwen3Config
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 
 class DFlashRMSNorm(nn.Module):
@@ -42,8 +55,9 @@ def _rope(x, cos, sin):
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.h, self.hk = config.num_attention_heads, config.num_key_value_heads
         self.d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         H = config.hidden_size
@@ -53,16 +67,30 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, H, bias=False)
         self.q_norm = DFlashRMSNorm(self.d, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.d, config.rms_norm_eps)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self.window = config.sliding_window if kinds[layer_idx] == "sliding_attention" else None
 
-    def forward(self, x, ctx, cos, sin, attention_mask=None):
+    def forward(self, x, ctx, cos, sin, key_pos, attention_mask=None, past_key_values=None):
+        """x [b, q, H] block rows; ctx [b, S_new, H] new context rows; cos/sin [b, 1, S_new+q, d];
+        key_pos [b, K] positions of every key (cached context, new context, block)."""
         b, q_len, S = x.shape[0], x.shape[1], ctx.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.h, self.d)).transpose(1, 2)
-        kv_in = torch.cat([ctx, x], dim=1)  # [b, S+q, H]: shared W_k/W_v for context and block
-        k = self.k_norm(self.k_proj(kv_in).view(b, S + q_len, self.hk, self.d)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, S + q_len, self.hk, self.d).transpose(1, 2)
-        q = _rope(q, cos[:, :, -q_len:], sin[:, :, -q_len:])  # queries take the last q_len positions
-        k = _rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=True)
+
+        def heads(t, n):
+            return t.view(b, t.shape[1], n, self.d).transpose(1, 2)
+
+        q = _rope(self.q_norm(heads(self.q_proj(x), self.h)), cos[:, :, S:], sin[:, :, S:])
+        k_ctx = _rope(self.k_norm(heads(self.k_proj(ctx), self.hk)), cos[:, :, :S], sin[:, :, :S])
+        k_blk = _rope(self.k_norm(heads(self.k_proj(x), self.hk)), cos[:, :, S:], sin[:, :, S:])
+        v_ctx, v_blk = heads(self.v_proj(ctx), self.hk), heads(self.v_proj(x), self.hk)
+        if past_key_values is not None:  # context rows only; returns every cached context row
+            k_ctx, v_ctx = past_key_values.update(k_ctx, v_ctx, self.layer_idx)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        key_pos = key_pos[:, -k.shape[2] :]  # a sliding cache may keep fewer rows than were fed
+        mask = attention_mask[..., -k.shape[2] :] if attention_mask is not None else None
+        if self.window is not None:
+            near = (key_pos[:, None, None, :] - key_pos[:, None, -q_len:, None]).abs() < self.window
+            mask = near if mask is None else mask & near
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 
 
@@ -79,16 +107,23 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashAttention(config, layer_idx)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, ctx, cos, sin, attention_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask)
+    def forward(self, x, ctx, cos, sin, key_pos, attention_mask=None, past_key_values=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, key_pos, attention_mask, past_key_values)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _stop_ids(stop_token_ids, config) -> set[int]:
+    ids = config.eos_token_id if stop_token_ids is None else stop_token_ids
+    if ids is None:
+        return set()
+    return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -103,34 +138,98 @@ class DFlashDraftModel(PreTrainedModel):
         self.mask_token_id = dflash["mask_token_id"]
         self.block_size = config.block_size
         H = config.hidden_size
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = DFlashRMSNorm(H, config.rms_norm_eps)
         self.norm = DFlashRMSNorm(H, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # the drafter's own rope_parameters, scaling included
+        self.acceptance_lengths: list[int] = []  # of the last spec_generate call, one per step
         self.post_init()
 
-    def _cos_sin(self, position_ids):
-        """position_ids [b, L] -> cos, sin [b, 1, L, d] (float32; computed here, not a buffer)."""
-        attn = self.layers[0].self_attn
-        rope = getattr(self.config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(self.config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, attn.d, 2, dtype=torch.float32, device=position_ids.device) / attn.d)
-        )
-        freqs = position_ids.float()[..., None] * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos()[:, None], emb.sin()[:, None]
-
-    def forward(self, noise_embedding, target_hidden, position_ids=None, attention_mask=None, **kwargs):
-        """noise_embedding [b, q, H] (target-embedded block), target_hidden [b, S, n·H] (the context's
-        target features), position_ids [b, S+q] (default 0..S+q-1), attention_mask: optional boolean
-        [b, 1, q, S+q] (None: the block sees every context row and itself) -> normed hidden [b, q, H]."""
+    def forward(
+        self,
+        noise_embedding,
+        target_hidden,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        **kwargs,
+    ):
+        """noise_embedding [b, q, H] (target-embedded block); target_hidden [b, S_new, n·H], the target
+        features of the context rows not in `past_key_values` yet (all of them without a cache);
+        position_ids [b, S_new+q] (default: continuing after the cached rows); attention_mask: optional
+        boolean [b, 1, q, K] over [cached context ‖ new context ‖ block] (default: the block sees every
+        context row and itself, sliding layers within their window) -> final-normed hidden [b, q, H].
+        Context rows must be consecutive positions ending right before the block (as in decoding)."""
         ctx = self.hidden_norm(self.fc(target_hidden))
         b, S, q_len = ctx.shape[0], ctx.shape[1], noise_embedding.shape[1]
+        cache = past_key_values
+        past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(S + q_len, device=ctx.device).expand(b, -1)
-        cos, sin = self._cos_sin(position_ids)
+            position_ids = torch.arange(past, past + S + q_len, device=ctx.device).expand(b, -1)
+        first = position_ids[:, :1]
+        key_pos = torch.cat([first - past + torch.arange(past, device=ctx.device), position_ids], dim=1)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        cos, sin = cos[:, None], sin[:, None]
         x = noise_embedding
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, attention_mask)
+            x = layer(x, ctx, cos, sin, key_pos, attention_mask, cache)
         return self.norm(x)
+
+    def _features(self, hidden_states, dtype):
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1).to(dtype)
+
+    @torch.no_grad()
+    def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):
+        """Greedy speculative decoding of one prompt with a transformers causal LM `target`:
+        input_ids [1, P] -> [1, P + n] with n <= max_new_tokens, ending at the first stop token (kept;
+        default: config.eos_token_id). The output equals the target's own greedy decoding. Per step:
+        draft B-1 tokens from the anchor, verify them in one target forward, keep the longest matching
+        prefix plus the target's next token. Targets whose cache cannot be rolled back (linear-attention
+        layers) are restored from a copy and re-fed the accepted tokens. self.acceptance_lengths holds
+        each step's count of committed tokens."""
+        if temperature != 0.0:
+            raise ValueError(f"spec_generate: temperature={temperature}: only greedy decoding (0.0) is implemented")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"spec_generate: input_ids must be [1, P] (one prompt), got {tuple(input_ids.shape)}")
+        self.eval()
+        stops = _stop_ids(stop_token_ids, self.config)
+        embed = target.get_input_embeddings().weight
+        head = target.get_output_embeddings().weight
+        dtype, B, P = self.fc.weight.dtype, self.block_size, input_ids.shape[1]
+        cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        tcache = DynamicCache(config=target.config)
+        tcache.activate_past_recording()  # sliding-window layers can then be rolled back
+        out = target(input_ids=input_ids, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)
+        tokens = [*input_ids[0].tolist(), int(out.logits[0, -1].argmax())]
+        ctx = self._features(out.hidden_states, dtype)  # [1, P, n·H]: positions 0..P-1
+        dcache = DynamicCache(config=self.config)
+        self.acceptance_lengths = []
+        while len(tokens) - P < max_new_tokens and tokens[-1] not in stops:
+            p = len(tokens) - 1  # the anchor's position; the context is 0..p-1
+            block = torch.tensor([tokens[-1]] + [self.mask_token_id] * (B - 1), device=input_ids.device)
+            pos = torch.arange(p - ctx.shape[1], p + B, device=input_ids.device)[None]
+            h = self(F.embedding(block, embed)[None].to(dtype), ctx, pos, past_key_values=dcache, use_cache=True)
+            drafts = (h[0, 1:].to(head.dtype) @ head.T).argmax(-1)  # [B-1]
+            verify = torch.cat([block[:1], drafts])[None]
+            snapshot = None if tcache.is_croppable else copy.deepcopy(tcache)
+            out = target(input_ids=verify, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)
+            choice = out.logits[0].argmax(-1)  # choice[k]: the target's token for position p+k+1
+            a = int(torch.cumprod((drafts == choice[:-1]).int(), 0).sum())
+            # positions p+a+1.. were rejected: roll the target's cache back to 0..p+a
+            if snapshot is None:
+                tcache.crop(-(B - 1 - a))  # crop(0) also trims sliding layers back to their window
+            elif a < B - 1:
+                tcache = snapshot
+                target(input_ids=verify[:, : a + 1], **{cache_kw: tcache}, use_cache=True)
+            ctx = self._features(out.hidden_states, dtype)[:, : a + 1]  # verified positions p..p+a
+            accepted = [*drafts[:a].tolist(), int(choice[a])]
+            self.acceptance_lengths.append(a + 1)
+            tokens += accepted
+        new = tokens[P : P + max_new_tokens]
+        for i, t in enumerate(new):
+            if t in stops:
+                new = new[: i + 1]
+                break
+        return torch.tensor([tokens[:P] + new], device=input_ids.device)

@@ -1,0 +1,153 @@
+"""The exported drafter serves the way z-lab's README shows: AutoModel + trust_remote_code, then
+spec_generate with a transformers target; lossless against the target's own greedy decoding, with a
+draft KV cache that gives the same drafts as recomputing the whole context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_drafter_common import LAYER_IDS, drafter_cfg, target_features, tiny_target
+
+from consumer.checkpoint import export_config, write_export
+from consumer.model import DFlashDrafter, DrafterArch
+from consumer.target_parts import load_target_parts
+from consumer.trainer import Trainer
+
+B = 4
+EOS = 3
+
+
+def load_export(path):
+    model = transformers.AutoModel.from_pretrained(
+        str(path), trust_remote_code=True, local_files_only=True, dtype=torch.float32
+    )
+    assert type(model).__name__ == "DFlashDraftModel"
+    return model
+
+
+def export(trainer_or_model, parts, path, arch, mask_token_id):
+    cfg = export_config(
+        arch, parts, block_size=B, mask_token_id=mask_token_id, target_layer_ids=LAYER_IDS, dtype="float32"
+    )
+    write_export(path, trainer_or_model.state_dict(), cfg)
+    return load_export(path)
+
+
+@torch.no_grad()
+def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """The target alone, transformers' own generate (greedy, stopping at EOS)."""
+    out = target.generate(
+        prompt[None], max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0
+    )
+    return out[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny target and a drafter trained on the target's own greedy continuations of 3 prompts (as the
+    paper regenerates its data), so drafts are often accepted and every branch of the loop runs."""
+    path = tmp_path_factory.mktemp("target")
+    target = tiny_target(path)
+    prompts = [torch.tensor([5 + i, 40 + 7 * i, 90 + i, 200 + 3 * i]) for i in range(3)]
+    seqs = [torch.tensor(plain_greedy(target, p, 40)) for p in prompts]
+    ids = torch.cat(seqs)
+    mask = torch.cat([(torch.arange(len(s)) >= 4).to(torch.uint8) for s in seqs])
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    parts = load_target_parts(path)
+    trainer = Trainer(drafter_cfg(block_size=B, num_layers=2, anchors_per_seq=24), parts, LAYER_IDS, "cpu")
+    feats = target_features(target, seqs)
+    for i in range(80):
+        trainer.train_batch(feats, ids, mask, cu, seq=i)
+    model = export(trainer.model, parts, tmp_path_factory.mktemp("export"), trainer.arch, trainer.mask_token_id)
+    return target, trainer, model, prompts
+
+
+def test_spec_generate_is_lossless_and_accepts_drafts(trained):
+    target, _, draft, prompts = trained
+    taus, steps = [], []
+    for prompt in [*prompts, torch.tensor([300, 301, 17])]:  # the last one unseen in training
+        out = draft.spec_generate(
+            input_ids=prompt[None], max_new_tokens=40, temperature=0.0, target=target, stop_token_ids=[EOS]
+        )
+        assert out[0].tolist() == plain_greedy(target, prompt, 40)
+        new = out.shape[1] - len(prompt)  # the prefill commits the first token, each step a+1 more
+        assert 1 + sum(draft.acceptance_lengths) >= new > sum(draft.acceptance_lengths) - B
+        assert all(1 <= a <= B for a in draft.acceptance_lengths)
+        taus.append(sum(draft.acceptance_lengths) / len(draft.acceptance_lengths))
+        steps += draft.acceptance_lengths
+    assert min(taus[:3]) > 2.0, taus  # trained on these continuations: most drafts accepted
+    assert 1 in steps and B in steps  # both the rollback and the all-accepted branch ran
+
+
+def test_spec_generate_stops_at_a_stop_token_and_the_length_limit(trained):
+    target, _, draft, prompts = trained
+    full = plain_greedy(target, prompts[0], 40)[len(prompts[0]) :]
+    stop = full[5]
+    out = draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=40, target=target, stop_token_ids=[stop])
+    new = out[0, len(prompts[0]) :].tolist()
+    assert new == full[: full.index(stop) + 1]
+    out = draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=7, target=target, stop_token_ids=[])
+    assert out[0, len(prompts[0]) :].tolist() == full[:7]
+    with pytest.raises(ValueError, match="only greedy"):
+        draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=4, target=target, temperature=0.7)
+
+
+def test_draft_kv_cache_gives_the_uncached_drafts(trained):
+    """Feeding only the new context rows with a cache == feeding the whole context without one."""
+    target, trainer, draft, prompts = trained
+    seq = torch.tensor(plain_greedy(target, prompts[1], 30))
+    feats = target_features(target, [seq])  # [S, n·H]
+    embed = trainer.parts.embed_tokens
+    cache = transformers.DynamicCache(config=draft.config)
+    done = 0
+    for p in (6, 9, 10, 17):  # anchors after 6, 3, 1 and 7 newly accepted positions
+        block = torch.tensor([int(seq[p])] + [trainer.mask_token_id] * (B - 1))
+        noise = embed[block][None]
+        pos = torch.arange(done, p + B)[None]
+        with torch.no_grad():
+            cached = draft(noise, feats[None, done:p], pos, past_key_values=cache, use_cache=True)
+            uncached = draft(noise_embedding=noise, target_hidden=feats[None, :p])
+        assert cache.get_seq_length() == p  # context rows only: the block is never cached
+        torch.testing.assert_close(cached, uncached, rtol=1e-5, atol=1e-5)
+        want = trainer.model.draft(feats[:p], block)  # and both are the training model's drafting
+        torch.testing.assert_close(uncached[0] @ trainer.parts.lm_head.T, want, rtol=1e-4, atol=1e-4)
+        done = p
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=5),
+        dict(rope_theta=1e7, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    ],
+    ids=["sliding", "yarn", "llama3"],
+)
+def test_export_matches_the_training_model_with_windows_and_rope_scaling(trained, tmp_path, options):
+    """Windows and RoPE scaling are computed independently on both sides (objective/model vs the export,
+    which uses transformers' Qwen3RotaryEmbedding); their drafts agree, cached or not, and with a window
+    shorter than the context the sliding layers do change the result."""
+    target, trainer, _, prompts = trained
+    parts = trainer.parts
+    arch = DrafterArch(64, 4, 2, 16, 128, 3, len(LAYER_IDS), 1e-6, options.pop("rope_theta", 1e6),
+                       max_position_embeddings=256, **options)
+    model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head, init_seed=3)
+    draft = export(model, parts, tmp_path, arch, 511)
+    seq = torch.tensor(plain_greedy(target, prompts[2], 40))
+    feats = target_features(target, [seq])
+    cache = transformers.DynamicCache(config=draft.config)
+    done = 0
+    for p in (12, 20, 33):
+        block = torch.tensor([int(seq[p])] + [511] * (B - 1))
+        want = model.draft(feats[:p], block)
+        with torch.no_grad():
+            got = draft(noise_embedding=parts.embed_tokens[block][None], target_hidden=feats[None, :p])
+            cached = draft(parts.embed_tokens[block][None], feats[None, done:p], torch.arange(done, p + B)[None],
+                           past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(got[0] @ parts.lm_head.T, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cached, got, rtol=1e-5, atol=1e-5)
+        done = p
+    out = draft.spec_generate(input_ids=prompts[2][None], max_new_tokens=30, target=target, stop_token_ids=[EOS])
+    assert out[0].tolist() == plain_greedy(target, prompts[2], 30)
