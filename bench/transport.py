@@ -1,28 +1,35 @@
-"""Hand-off of one batch between two processes: the slot ring against two copying baselines.
+"""The whole path of one batch between two processes: the slot ring against competent baselines (CPU).
 
-Hand-off time, measured on the producer's clock, is from "the batch is ready to send" to "the consumer
-holds it and has said so":
-  ring     the producer has written the slot; it sends (seq, slot, layout) as msgpack over zmq PAIR; the
-           consumer takes views into the slot and sends a RELEASE back. The slot write is timed apart.
-  mpqueue  torch.multiprocessing.Queue.put of a fresh batch (torch moves it into new shared memory and
-           pickles the handle: the baseline, acceptable in a benchmark only); the consumer acks over zmq.
-  zmqcopy  the batch's bytes go through the socket (send copy=False, so only the socket copies them);
-           the consumer wraps the frames as tensors and acks.
-A bare zmq round trip of a 64-byte msgpack message is the floor.
+Timed span, on the producer's clock, per batch: from "the batch is ready in the producer's memory" to
+"the producer knows the consumer holds its own copy and the producer's memory is free for the next one":
+  ring          the producer writes the batch into a free slot (one memcpy) and sends (seq, slot, layout) as
+                msgpack over zmq PAIR; the consumer takes views into the slot, copies them into its own
+                buffers, allocated once and reused (one memcpy: what consumer/stream.py does), and sends
+                RELEASE at once.
+  mpqueue_pool  plain torch.multiprocessing done well: a pool of shared-memory tensors made once, handed to
+                the consumer once at start and reused round-robin; per batch the producer copies the batch
+                into the next pool entry (one memcpy) and puts (seq, entry, tokens) on a torch mp.Queue; the
+                consumer copies the entry into its own buffers (one memcpy) and returns the entry on a
+                second queue. The same two copies as the ring: only the hand-off differs.
+  zmqcopy       the batch's bytes go through a zmq ipc socket (send copy=False, so the socket copies them
+                into the kernel and out into the consumer's message buffers); the consumer wraps the
+                received frames as its tensors (no copy-out needed: they are its own) and acks.
+  memcpy        one in-process copy of the same bytes into a preallocated buffer, no other process: the
+                cost of one copy on this machine, measured in the same run.
+The ring and mpqueue_pool paths each cost two copies plus a round trip of small messages, so their floor
+is `2 × memcpy + zmq_roundtrip` (reported per size as `e2e_ms_two_copy_floor`); `e2e_growth_1_to_256MiB`
+of a copy-bound path follows `memcpy_growth_1_to_256MiB`.
 
+Every process runs one torch thread (a copy on 2 shared cores with 2 threads waits on a descheduled thread).
 The consumer blocks in recv between batches, and on a shared VM waking a process costs more the longer it
-slept (1 MiB hand-offs measured 65 us back to back, 195 us after 3 ms idle, 410 us after 15 ms). Back to
-back, the ring's consumer sleeps as long as the slot write takes, which grows with size and would be
-mistaken for a size cost. So every timed send, in every variant and for the round trip, follows the same
-consumer idle time (--gap-ms); the back-to-back ring figures are reported too.
-Run: .venv/bin/python -m bench.transport [--json]
+slept; so every timed batch, in every variant, follows the same consumer idle time (--gap-ms).
+Run: .venv/bin/python -m bench.transport [--json] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -34,38 +41,61 @@ from pathlib import Path
 
 import msgpack
 import torch
+import torch.multiprocessing as tmp
 import zmq
 
 from common.ring import SlotRing, layout_from_wire, layout_to_wire
 from common.slot_table import SlotTable
 
 SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
-RING_REPS = {"1MiB": 200, "16MiB": 150, "64MiB": 100, "256MiB": 40}
-COPY_REPS = {"1MiB": 30, "16MiB": 15, "64MiB": 10, "256MiB": 5}
-PING_REPS = {"paced": 200, "backtoback": 2000}
+REPS = {"1MiB": 100, "16MiB": 60, "64MiB": 40, "256MiB": 15}
+MEMCPY_REPS = {"1MiB": 200, "16MiB": 60, "64MiB": 30, "256MiB": 10}
+PING_REPS = 200
+POOL = 2  # ring slots and pool entries: the producer can fill one while the consumer reads the other
 WIDTH = 2560  # bf16 features per token: hidden [T, WIDTH] dominates the batch as in the real service
-TIMEOUT_MS = 120_000
+TIMEOUT_S = 120
 ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {
+    "e2e_ratio_mpqueue_pool_over_ring_64MiB": (">=", 0.95),
+    "e2e_ratio_zmqcopy_over_ring_64MiB": (">=", 2.0),
+}
+
+
+def tokens_for(nbytes: int) -> int:
+    return max(1, nbytes // (WIDTH * 2 + 9))
 
 
 def make_batch(nbytes: int, seq: int) -> dict[str, torch.Tensor]:
     """A packed batch of about `nbytes`: hidden [T, WIDTH] bf16, input_ids [T], loss_mask [T], cu_seqlens."""
-    tokens = max(1, nbytes // (WIDTH * 2 + 9))
+    tokens = tokens_for(nbytes)
     batch = {
         "hidden": torch.full((tokens, WIDTH), float(seq % 7), dtype=torch.bfloat16),
         "input_ids": torch.arange(tokens, dtype=torch.int64),
         "loss_mask": torch.ones(tokens, dtype=torch.uint8),
         "cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32),
     }
-    batch["input_ids"][0] = seq  # the consumer checks this tag: it holds the right batch
+    batch["input_ids"][0] = seq  # the consumer checks this tag on its own copy: it holds the right batch
     return batch
+
+
+def own_buffers(nbytes: int) -> dict[str, torch.Tensor]:
+    """The consumer's copy-out buffers, allocated once at the largest size and touched (as a real one)."""
+    return {name: torch.zeros_like(t) for name, t in make_batch(nbytes, 0).items()}
+
+
+def copy_out(buffers: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: buffers[name][: v.shape[0]].copy_(v) for name, v in views.items()}
+
+
+def holds(batch: dict[str, torch.Tensor], seq: int) -> bool:
+    return int(batch["input_ids"][0]) == seq and float(batch["hidden"][-1, -1]) == float(seq % 7)
 
 
 def _pair(ctx: zmq.Context, endpoint: str, bind: bool) -> zmq.Socket:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-    sock.setsockopt(zmq.SNDTIMEO, TIMEOUT_MS)
+    sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_S * 1000)
+    sock.setsockopt(zmq.SNDTIMEO, TIMEOUT_S * 1000)
     (sock.bind if bind else sock.connect)(endpoint)
     return sock
 
@@ -74,13 +104,24 @@ def _recv(sock: zmq.Socket):
     return msgpack.unpackb(sock.recv(), raw=False)
 
 
+def _pace(since: float, gap: float) -> None:
+    """Let the consumer idle `gap` seconds since its last ack: every variant wakes it from the same state."""
+    time.sleep(max(0.0, since + gap - time.perf_counter()))
+
+
+def _check(ack: list, seq: int, mode: str) -> None:
+    if ack[0] != seq or ack[1] is not True:
+        raise RuntimeError(f"{mode}: consumer acked {ack} for seq {seq}: its copy is not the batch sent")
+
+
 # ------------------------------------------------------------------------------------------ consumers
 
 
-def _ring_consumer(endpoint: str) -> None:
+def _ring_consumer(endpoint: str, max_bytes: int) -> None:
     ctx = zmq.Context()
     sock = _pair(ctx, endpoint, bind=False)
     ring = SlotRing.attach(_recv(sock))
+    buffers = own_buffers(max_bytes)
     sock.send(msgpack.packb("attached"))
     while True:
         msg = _recv(sock)
@@ -89,12 +130,12 @@ def _ring_consumer(endpoint: str) -> None:
         if msg[0] == "ping":
             sock.send(msgpack.packb(msg))
             continue
-        t0 = time.perf_counter()
         seq, slot, layout = msg
-        views = ring.view(slot, layout_from_wire(layout))
-        ok = int(views["input_ids"][0]) == seq
-        del views  # released: nothing of the slot is kept past this point
-        sock.send(msgpack.packb([seq, ok, slot, time.perf_counter() - t0]))
+        t0 = time.perf_counter()
+        mine = copy_out(buffers, ring.view(slot, layout_from_wire(layout)))
+        ring.wait_reads(None)
+        copy_s = time.perf_counter() - t0
+        sock.send(msgpack.packb([seq, holds(mine, seq), slot, copy_s]))  # RELEASE: the slot is free
     ring.close()
     sock.close()
     ctx.term()
@@ -111,85 +152,69 @@ def _zmqcopy_consumer(endpoint: str) -> None:
         if msg == "end":
             break
         seq, specs = msg
-        batch = {
+        mine = {  # the received frames are this process's own memory: they are the batch
             name: torch.frombuffer(frame.buffer, dtype=getattr(torch, dtype)).view(shape)
             for (name, dtype, shape), frame in zip(specs, frames, strict=True)
         }
-        ok = int(batch["input_ids"][0]) == seq
-        del batch
-        sock.send(msgpack.packb([seq, ok]))
+        sock.send(msgpack.packb([seq, holds(mine, seq)]))
     sock.close()
     ctx.term()
 
 
-def _mpqueue_consumer(queue, endpoint: str) -> None:
+def _mpqueue_consumer(to_consumer, to_producer, max_bytes: int) -> None:
     torch.set_num_threads(1)
-    ctx = zmq.Context()
-    sock = _pair(ctx, endpoint, bind=False)
-    sock.send(msgpack.packb("ready"))
+    pool = to_consumer.get(timeout=TIMEOUT_S)  # the shared tensors, once; kept for the whole run
+    buffers = own_buffers(max_bytes)
+    to_producer.put("ready")
     while True:
-        item = queue.get(timeout=TIMEOUT_MS / 1000)
+        item = to_consumer.get(timeout=TIMEOUT_S)
         if item is None:
             break
-        seq, batch = item
-        ok = int(batch["input_ids"][0]) == seq
-        del batch, item
-        sock.send(msgpack.packb([seq, ok]))
-    sock.close()
-    ctx.term()
+        seq, entry, tokens = item
+        views = {name: t[:tokens] if name != "cu_seqlens" else t for name, t in pool[entry].items()}
+        mine = copy_out(buffers, views)
+        to_producer.put((seq, holds(mine, seq), entry))  # the entry is free again
 
 
 # ------------------------------------------------------------------------------------------ producers
 
 
-def _check_ack(ack: list, seq: int, mode: str) -> None:
-    if ack[0] != seq or ack[1] is not True:
-        raise RuntimeError(f"{mode}: consumer acked {ack} for seq {seq}: it did not hold the right batch")
-
-
-def _pace(since: float, gap: float) -> None:
-    """Let the consumer idle `gap` seconds since its last ack: every variant wakes it from the same state."""
-    time.sleep(max(0.0, since + gap - time.perf_counter()))
-
-
 def run_ring(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
-    """Per size: hand-off, slot write and consumer work samples (seconds), and ping round trips."""
-    ring = SlotRing.create("cpu", 2, max(sizes.values()) + (64 << 10), name=f"bench-{os.getpid()}")
+    """Per size: end-to-end, slot write and consumer copy-out samples (seconds); ping round trips."""
+    ring = SlotRing.create("cpu", POOL, max(sizes.values()) + (64 << 10), name=f"bench-{os.getpid()}")
     table = SlotTable(ring.num_slots)
-    out = {"handoff": {}, "write": {}, "consumer": {}}
+    out: dict = {"e2e": {}, "write": {}, "copy_out": {}}
     try:
         sock.send(msgpack.packb(ring.handle()))
         assert _recv(sock) == "attached"
         seq, t_ack = 0, time.perf_counter()
         for label, nbytes in sizes.items():
             batch = make_batch(nbytes, 0)
-            for key in out:
-                out[key][label] = []
+            for samples in out.values():
+                samples[label] = []
             for i in range(warmup + reps[label]):
                 seq += 1
                 batch["input_ids"][0] = seq
-                slot = table.acquire()
+                batch["hidden"][-1, -1] = seq % 7
+                _pace(t_ack, gap)
                 t0 = time.perf_counter()
+                slot = table.acquire()
                 layout = ring.write(slot, batch)
                 ring.write_event(slot)
-                while not ring.is_written(slot):
-                    pass
                 table.publish(slot, seq, ["c0"])
                 t_written = time.perf_counter()
-                _pace(t_ack, gap)
-                t1 = time.perf_counter()
                 sock.send(msgpack.packb([seq, slot, layout_to_wire(layout)]))
                 ack = _recv(sock)
                 t_ack = time.perf_counter()
-                _check_ack(ack, seq, "ring")
+                _check(ack, seq, "ring")
                 if not table.release("c0", ack[0], ack[2]):
                     raise RuntimeError(f"ring: release {ack} was not expected")
                 if i >= warmup:
+                    out["e2e"][label].append(t_ack - t0)
                     out["write"][label].append(t_written - t0)
-                    out["handoff"][label].append(t_ack - t1)
-                    out["consumer"][label].append(ack[3])
+                    out["copy_out"][label].append(ack[3])
         out["ping"] = []
-        for _ in range(PING_REPS["paced" if gap else "backtoback"]):
+        for _ in range(PING_REPS):
             _pace(t_ack, gap)
             t0 = time.perf_counter()
             sock.send(msgpack.packb(["ping", "x" * 50]))
@@ -213,62 +238,89 @@ def run_zmqcopy(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: flo
         for i in range(warmup + reps[label]):
             seq += 1
             batch["input_ids"][0] = seq
+            batch["hidden"][-1, -1] = seq % 7
             _pace(t_ack, gap)
             t0 = time.perf_counter()
             sock.send_multipart([msgpack.packb([seq, specs]), *frames], copy=False)
             ack = _recv(sock)  # also means the frames were sent: the buffers are free to reuse
             t_ack = time.perf_counter()
-            _check_ack(ack, seq, "zmqcopy")
+            _check(ack, seq, "zmqcopy")
             if i >= warmup:
                 out[label].append(t_ack - t0)
     sock.send_multipart([msgpack.packb("end")])
     return out
 
 
-def run_mpqueue(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float, *, queue) -> dict:
-    assert _recv(sock) == "ready"
-    out, seq, t_ack = {}, 0, time.perf_counter()
-    for label, nbytes in sizes.items():
-        out[label] = []
-        for i in range(warmup + reps[label]):
-            seq += 1
-            batch = make_batch(nbytes, seq)  # a new tensor each time, as a Queue-based design would send
-            _pace(t_ack, gap)
-            t0 = time.perf_counter()
-            queue.put((seq, batch))
-            ack = _recv(sock)
-            t_ack = time.perf_counter()
-            _check_ack(ack, seq, "mpqueue")
-            del batch
-            if i >= warmup:
-                out[label].append(t_ack - t0)
-    queue.put(None)
+def run_mpqueue_pool(sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
+    ctx = tmp.get_context("spawn")
+    to_consumer, to_producer = ctx.Queue(), ctx.Queue()
+    max_bytes = max(sizes.values())
+    pool = [{name: t.share_memory_() for name, t in make_batch(max_bytes, 0).items()} for _ in range(POOL)]
+    proc = ctx.Process(target=_mpqueue_consumer, args=(to_consumer, to_producer, max_bytes))
+    proc.start()
+    out: dict = {}
+    try:
+        to_consumer.put(pool)
+        assert to_producer.get(timeout=TIMEOUT_S) == "ready"
+        seq, t_ack = 0, time.perf_counter()
+        for label, nbytes in sizes.items():
+            batch = make_batch(nbytes, 0)
+            tokens = batch["hidden"].shape[0]
+            out[label] = []
+            for i in range(warmup + reps[label]):
+                seq += 1
+                batch["input_ids"][0] = seq
+                batch["hidden"][-1, -1] = seq % 7
+                entry = seq % POOL
+                _pace(t_ack, gap)
+                t0 = time.perf_counter()
+                for name, t in batch.items():
+                    pool[entry][name][: t.shape[0]].copy_(t)
+                to_consumer.put((seq, entry, tokens))
+                ack = to_producer.get(timeout=TIMEOUT_S)
+                t_ack = time.perf_counter()
+                _check(list(ack), seq, "mpqueue_pool")
+                if i >= warmup:
+                    out[label].append(t_ack - t0)
+        to_consumer.put(None)
+    finally:
+        proc.join(TIMEOUT_S)
+        if proc.exitcode != 0:
+            proc.kill()
+            raise RuntimeError(f"mpqueue_pool consumer exited with status {proc.exitcode}")
     return out
 
 
-def _serve(ctx: zmq.Context, workdir: str, mode: str, run, *args) -> dict:
+def run_memcpy(sizes: dict, reps: dict) -> dict:
+    """One copy of each size's batch into preallocated, touched memory, in this process."""
+    out = {}
+    for label, nbytes in sizes.items():
+        batch, dest = make_batch(nbytes, 0), own_buffers(nbytes)
+        copy_out(dest, batch)  # warm-up
+        out[label] = []
+        for _ in range(reps[label]):
+            t0 = time.perf_counter()
+            copy_out(dest, batch)
+            out[label].append(time.perf_counter() - t0)
+    return out
+
+
+def _serve(ctx: zmq.Context, workdir: str, mode: str, run, max_bytes: int, *args) -> dict:
     """One consumer process per variant, connected over a fresh ipc:// PAIR in a 0700 folder."""
     endpoint = f"ipc://{workdir}/{mode}.sock"
     sock = _pair(ctx, endpoint, bind=True)
-    kwargs = {}
-    if mode == "mpqueue":
-        spawn = mp.get_context("spawn")
-        kwargs["queue"] = spawn.Queue()
-        proc = spawn.Process(target=_mpqueue_consumer, args=(kwargs["queue"], endpoint))
-        proc.start()
-    else:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "bench.transport", "--consumer", mode, "--endpoint", endpoint]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.transport", "--consumer", mode, "--endpoint", endpoint]
+    proc = subprocess.Popen([*cmd, "--max-bytes", str(max_bytes)], cwd=ROOT, env=env)
     try:
-        return run(sock, *args, **kwargs)
+        return run(sock, *args)
     finally:
         sock.close()
-        if isinstance(proc, subprocess.Popen):
-            code = proc.wait(60)
-        else:
-            proc.join(60)
-            code = proc.exitcode
+        try:
+            code = proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(TIMEOUT_S)
         if code != 0:
             raise RuntimeError(f"{mode} consumer exited with status {code}")
 
@@ -277,73 +329,96 @@ def _ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 4)
 
 
+def summarise(sizes: dict, ring: dict, mpq: dict, zcopy: dict, memcpy: dict, gap_ms: float) -> dict:
+    e2e = {
+        "ring": {k: _ms(v) for k, v in ring["e2e"].items()},
+        "mpqueue_pool": {k: _ms(v) for k, v in mpq.items()},
+        "zmqcopy": {k: _ms(v) for k, v in zcopy.items()},
+    }
+    ping_ms = _ms(ring["ping"])
+    memcpy_ms = {k: _ms(v) for k, v in memcpy.items()}
+    result: dict = {
+        "e2e_ms": e2e,
+        "memcpy_ms": memcpy_ms,
+        "memcpy_gib_per_s": {k: round(sizes[k] / 2**30 / (v / 1e3), 2) for k, v in memcpy_ms.items()},
+        "zmq_roundtrip_ms": ping_ms,
+        "e2e_ms_two_copy_floor": {k: round(2 * v + ping_ms, 4) for k, v in memcpy_ms.items()},
+        "ring_write_ms": {k: _ms(v) for k, v in ring["write"].items()},
+        "ring_copy_out_ms": {k: _ms(v) for k, v in ring["copy_out"].items()},
+        "gap_ms": gap_ms,
+    }
+    if "64MiB" in sizes:
+        ring64 = e2e["ring"]["64MiB"]
+        result["e2e_ratio_mpqueue_pool_over_ring_64MiB"] = round(e2e["mpqueue_pool"]["64MiB"] / ring64, 3)
+        result["e2e_ratio_zmqcopy_over_ring_64MiB"] = round(e2e["zmqcopy"]["64MiB"] / ring64, 3)
+        result["e2e_ring_over_two_copy_floor_64MiB"] = round(ring64 / result["e2e_ms_two_copy_floor"]["64MiB"], 3)
+    if {"1MiB", "256MiB"} <= sizes.keys():
+        result["e2e_growth_1_to_256MiB"] = round(e2e["ring"]["256MiB"] / e2e["ring"]["1MiB"], 1)
+        result["memcpy_growth_1_to_256MiB"] = round(memcpy_ms["256MiB"] / memcpy_ms["1MiB"], 1)
+        floor = result["e2e_ms_two_copy_floor"]
+        result["two_copy_floor_growth_1_to_256MiB"] = round(floor["256MiB"] / floor["1MiB"], 1)
+    met = {k: (result[k] >= bound if op == ">=" else result[k] <= bound) for k, (op, bound) in TARGETS.items()
+           if k in result}
+    result["targets"] = {k: f"{op} {bound}" for k, (op, bound) in TARGETS.items()}
+    result["targets_met"] = met
+    return result
+
+
+def print_table(result: dict, sizes: dict) -> None:
+    print(f"end-to-end medians in ms (write + hand-off + the consumer's own copy + release); every batch"
+          f" follows {result['gap_ms']:g} ms of consumer idleness")
+    head = ["size", "ring", "mpq pool", "zmqcopy", "2-copy floor", "memcpy", "ring write", "ring copy"]
+    print(" ".join(f"{h:>12}" for h in head))
+    for label in sizes:
+        cols = [result["e2e_ms"]["ring"], result["e2e_ms"]["mpqueue_pool"], result["e2e_ms"]["zmqcopy"],
+                result["e2e_ms_two_copy_floor"], result["memcpy_ms"], result["ring_write_ms"],
+                result["ring_copy_out_ms"]]
+        print(f"{label:>12} " + " ".join(f"{col[label]:>12.3f}" for col in cols))
+    print(f"bare zmq round trip (64 B msgpack): {result['zmq_roundtrip_ms']:.3f} ms;"
+          f" memcpy GiB/s {result['memcpy_gib_per_s']}")
+    for key in [k for k in result if k.startswith(("e2e_ratio", "e2e_growth", "memcpy_growth", "two_copy", "e2e_ring"))]:
+        bound = result["targets"].get(key)
+        print(f"{key}: {result[key]}" + (f" (target {bound}: {'met' if result['targets_met'][key] else 'MISSED'})"
+                                         if bound else ""))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply every repetition count")
+    p.add_argument("--quick", action="store_true", help="a quarter of the repetitions (noisier)")
+    p.add_argument("--scale", type=float, default=None, help="multiply every repetition count")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"subset of {','.join(SIZES)}")
-    p.add_argument("--gap-ms", type=float, default=30.0, help="consumer idle time before each timed send")
+    p.add_argument("--gap-ms", type=float, default=30.0, help="consumer idle time before each timed batch")
     p.add_argument("--consumer", choices=["ring", "zmqcopy"], help=argparse.SUPPRESS)  # internal
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--max-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # on 2 shared cores a 2-thread copy waits milliseconds for a descheduled thread
-    if args.consumer:
-        {"ring": _ring_consumer, "zmqcopy": _zmqcopy_consumer}[args.consumer](args.endpoint)
+    torch.set_num_threads(1)
+    if args.consumer == "ring":
+        _ring_consumer(args.endpoint, args.max_bytes)
+        return {}
+    if args.consumer == "zmqcopy":
+        _zmqcopy_consumer(args.endpoint)
         return {}
 
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    if unknown:
+        p.error(f"--sizes: unknown {unknown}; choose from {','.join(SIZES)}")
     sizes = {label: SIZES[label] for label in args.sizes.split(",")}
-    ring_reps = {k: max(5, int(v * args.scale)) for k, v in RING_REPS.items()}
-    copy_reps = {k: max(3, int(v * args.scale)) for k, v in COPY_REPS.items()}
-    gap = args.gap_ms / 1e3
+    scale = args.scale or (0.25 if args.quick else 1.0)
+    reps = {k: max(5, int(v * scale)) for k, v in REPS.items()}
+    gap, warmup, max_bytes = args.gap_ms / 1e3, 3, max(sizes.values())
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as workdir:
         os.chmod(workdir, 0o700)
-        ring = _serve(ctx, workdir, "ring", run_ring, sizes, ring_reps, 5, gap)
-        hot = _serve(ctx, workdir, "ring", run_ring, sizes, ring_reps, 5, 0.0)
-        zcopy = _serve(ctx, workdir, "zmqcopy", run_zmqcopy, sizes, copy_reps, 2, gap)
-        mpq = _serve(ctx, workdir, "mpqueue", run_mpqueue, sizes, copy_reps, 2, gap)
+        ring = _serve(ctx, workdir, "ring", run_ring, max_bytes, sizes, reps, warmup, gap)
+        zcopy = _serve(ctx, workdir, "zmqcopy", run_zmqcopy, max_bytes, sizes, reps, warmup, gap)
     ctx.term()
-
-    ring_ms = {k: _ms(v) for k, v in ring["handoff"].items()}
-    mpq_ms = {k: _ms(v) for k, v in mpq.items()}
-    zcopy_ms = {k: _ms(v) for k, v in zcopy.items()}
-    ping_ms = _ms(ring["ping"])
-    result = {
-        "handoff_ms_ring": ring_ms,
-        "handoff_ms_mpqueue": mpq_ms,
-        "handoff_ms_zmqcopy": zcopy_ms,
-        "zmq_roundtrip_ms": ping_ms,
-        "gap_ms": args.gap_ms,
-        "write_ms_ring": {k: _ms(v) for k, v in ring["write"].items()},
-        "consumer_ms_ring": {k: _ms(v) for k, v in ring["consumer"].items()},
-        "handoff_ms_ring_backtoback": {k: _ms(v) for k, v in hot["handoff"].items()},
-        "zmq_roundtrip_ms_backtoback": _ms(hot["ping"]),
-        "reps_ring": ring_reps,
-        "reps_baselines": copy_reps,
-    }
-    if "64MiB" in sizes:
-        result["ratio_mpqueue_over_ring_64MiB"] = round(mpq_ms["64MiB"] / ring_ms["64MiB"], 2)
-        result["ratio_zmqcopy_over_ring_64MiB"] = round(zcopy_ms["64MiB"] / ring_ms["64MiB"], 2)
-        write_plus = ring_ms["64MiB"] + result["write_ms_ring"]["64MiB"]
-        result["ratio_mpqueue_over_ring_write_plus_handoff_64MiB"] = round(mpq_ms["64MiB"] / write_plus, 2)
-    if {"1MiB", "256MiB"} <= sizes.keys():
-        result["handoff_growth_1_to_256MiB"] = round(ring_ms["256MiB"] / ring_ms["1MiB"], 3)
-        b2b = result["handoff_ms_ring_backtoback"]
-        result["handoff_growth_1_to_256MiB_backtoback"] = round(b2b["256MiB"] / b2b["1MiB"], 3)
-    result["ring_over_zmq_roundtrip"] = round(max(ring_ms.values()) / ping_ms, 2)  # the worst size
-
-    print(f"hand-off medians in ms; every timed send follows {args.gap_ms:g} ms of consumer idleness")
-    head = ["size", "ring", "mpqueue", "zmqcopy", "ring b2b", "ring write", "ring cons."]
-    print(" ".join(f"{h:>11}" for h in head))
-    for label in sizes:
-        row = [ring_ms, mpq_ms, zcopy_ms, result["handoff_ms_ring_backtoback"], result["write_ms_ring"]]
-        row.append(result["consumer_ms_ring"])
-        print(f"{label:>11} " + " ".join(f"{col[label]:>11.3f}" for col in row))
-    print(
-        f"bare zmq round trip (64 B msgpack): {ping_ms:.3f} ms, back to back {result['zmq_roundtrip_ms_backtoback']:.3f} ms"
-    )
-    for key in [k for k in result if k.startswith(("ratio", "handoff_growth", "ring_over"))]:
-        print(f"{key}: {result[key]}")
+    mpq = run_mpqueue_pool(sizes, reps, warmup, gap)
+    memcpy = run_memcpy(sizes, {k: max(5, int(v * scale)) for k, v in MEMCPY_REPS.items()})
+    result = summarise(sizes, ring, mpq, zcopy, memcpy, args.gap_ms)
+    result["reps"] = reps
+    print_table(result, sizes)
     if args.json:
         print(json.dumps(result))
     return result
