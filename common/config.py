@@ -100,8 +100,6 @@ class TransportConfig(_Section):
         return self.curve if self.curve is not None else not is_loopback(self.tcp_host)
 
 
-class DrafterConfig(_Section):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=32)]
 # RoPE scalings a drafter may use (transformers' rope types with a fixed frequency table) and their required keys
 ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
@@ -110,12 +108,12 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
 }
 
 
+class DrafterConfig(_Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=32)]
     block_size: Annotated[int, Field(ge=2, le=64)] = 16
     num_layers: Annotated[int, Field(ge=1, le=64)] = 5
     mask_token_id: int | None = None  # default: a spare vocab row or the tokenizer's mask/reserved token
     anchors_per_seq: Annotated[int, Field(ge=1)] = 512
-    gamma: Annotated[float, Field(gt=0)] | None = None  # loss decay; default from block_size
-    attention: Literal["auto", "flex", "sdpa"] = "auto"
     # the drafter's own RoPE (dflash.md §1), whatever the target's: base and an optional static scaling
     rope_theta: Annotated[float, Field(gt=0)] = 1e6
     rope_scaling: dict[str, float | int | str] | None = None  # e.g. {rope_type = "yarn", factor = 4.0, ...}
@@ -125,6 +123,8 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
     # an anchor needs supervised tokens at p and p+1, its block may run past the sequence end (SpecForge);
     # false: the old rule, a whole block inside the sequence (p + B <= S)
     partial_blocks: bool = True
+    gamma: Annotated[float, Field(gt=0)] | None = None  # loss decay; default from block_size
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
     loss_chunk_rows: Annotated[int, Field(ge=16)] = 2048
     dtype: DType = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
     lr: Annotated[float, Field(gt=0)] = 6e-4
@@ -149,8 +149,6 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
             raise ValueError(f"devices lists {len(self.devices)} entries but replicas is {self.replicas}")
         return self
 
-    @property
-    def loss_gamma(self) -> float:
     @model_validator(mode="after")
     def _attention_layout(self) -> DrafterConfig:
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
@@ -175,6 +173,8 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
         """The attention kind of each layer ("full_attention" or "sliding_attention")."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_layers
 
+    @property
+    def loss_gamma(self) -> float:
         """The paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8; interpolated otherwise."""
         if self.gamma is not None:
             return self.gamma
