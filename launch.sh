@@ -11,6 +11,9 @@
 # One log per process in <run_dir>/logs/. SIGINT/SIGTERM are forwarded (consumers checkpoint at a step
 # boundary, then exit 0). When a critical process (producer, consumer) fails, the rest is torn down and
 # this script exits with its status. Telemetry is not critical: it is restarted if it dies.
+# The run folder is locked for the whole group (common/joblock.py): a second launch of the same job is
+# refused at once (exit 75) with the holder's pid. When the group ends, however it ended, the job's ring
+# in /dev/shm and its socket files are removed.
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -31,7 +34,7 @@ while (($#)); do
     --node-rank) node_rank=$2; shift ;;
     --master-addr) export MASTER_ADDR=$2; shift ;;
     --master-port) export MASTER_PORT=$2; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     -*) echo "launch.sh: unknown option $1" >&2; exit 2 ;;
     *) job=$1 ;;
   esac
@@ -47,7 +50,11 @@ if [[ -z $job ]]; then
   job=$("$PY" -m demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit 1
 fi
 
-plan=$("$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes") || exit 2
+plan_from() {  # the process list: derived from the job, or (tests' stand-in processes) read from a file
+  if [[ -n ${DFLASH_LAUNCH_PLAN_FILE:-} ]]; then cat "$DFLASH_LAUNCH_PLAN_FILE"; return; fi
+  "$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes"
+}
+plan=$(plan_from) || exit 2
 if ((dry)); then
   printf '%s\n' "$plan" | while IFS=$'\t' read -r name critical log cmd; do
     printf '%-24s critical=%s log=%s\n    %s\n' "$name" "$critical" "$log" "$cmd"
@@ -55,34 +62,60 @@ if ((dry)); then
   exit 0
 fi
 
+# The job lock, before anything in the run folder is touched; the processes inherit it (and the launch id).
+info=$("$PY" -m common.joblock info "$job" --node-rank "$node_rank") || exit 2
+IFS=$'\t' read -r run_dir lock_file ring_file <<<"$info"
+mkdir -p "$run_dir" || exit 2
+exec {lock_fd}>>"$lock_file" || exit 2
+if ! flock -n "$lock_fd"; then
+  echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
+  "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
+  exit 75
+fi
+DFLASH_LAUNCH_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+export DFLASH_LAUNCH_ID
+printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLASH_LAUNCH_ID" >"$lock_file"
+mkdir -p "$run_dir/logs" || exit 2
+
+cleanup() {  # the group is over (every way out of this script passes here): its ring and sockets go
+  [[ -n $ring_file ]] && rm -f "$ring_file"
+  find "$run_dir/sockets" -maxdepth 1 -type s -delete 2>/dev/null
+  rm -f "$run_dir/sockets/control.sock.lock" "$run_dir/sockets/control.endpoint"
+}
+trap cleanup EXIT
+
 # CPU threads: the cores shared out among the training processes (more threads than cores slow every step
 # down); set OMP_NUM_THREADS yourself to override.
 n_training=$(printf '%s\n' "$plan" | grep -vc '^telemetry')
 threads=$(( $(nproc) / (n_training > 0 ? n_training : 1) ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 
-declare -A name_of=() cmd_of=() log_of=() critical_of=()
-declare -a pids=()
+declare -A name_of=() cmd_of=() log_of=() critical_of=() offset_of=()
+declare -a pids=()  # started and not yet collected by `wait`: the only list the supervision trusts
 start() {  # name critical log cmd
+  local offset
+  offset=$(stat -c %s "$3" 2>/dev/null || echo 0)  # this launch's part of the log starts here
   ( eval "exec $4" ) >>"$3" 2>&1 &
   local pid=$!
-  name_of[$pid]=$1 critical_of[$pid]=$2 log_of[$pid]=$3 cmd_of[$pid]=$4
+  name_of[$pid]=$1 critical_of[$pid]=$2 log_of[$pid]=$3 cmd_of[$pid]=$4 offset_of[$pid]=$offset
   pids+=("$pid")
   printf 'launch.sh: started %-24s pid %-7s log %s\n' "$1" "$pid" "$3"
 }
-alive() { local p out=(); for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && out+=("$p"); done; pids=("${out[@]}"); }
+collected() { local p out=(); for p in "${pids[@]}"; do [[ $p != "$1" ]] && out+=("$p"); done; pids=("${out[@]}"); }
+alive() { local p; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+own_tail() {  # the last lines this launch's process wrote to its log (an earlier run's lines are not its reason)
+  tail -c +"$((offset_of[$1] + 1))" "${log_of[$1]}" 2>/dev/null | tail -n 5 | sed 's/^/    /' >&2
+}
 
 stop_all() {  # signal: TERM everyone, wait up to the grace period, then KILL what is left
   local sig=$1 deadline=$((SECONDS + grace)) p
-  alive
   for p in "${pids[@]}"; do kill -"$sig" "$p" 2>/dev/null; done
   while ((SECONDS < deadline)); do
-    alive
-    ((${#pids[@]} == 0)) && return 0
+    alive || return 0
     sleep 0.2
   done
-  alive
   for p in "${pids[@]}"; do
+    kill -0 "$p" 2>/dev/null || continue
     echo "launch.sh: ${name_of[$p]} (pid $p) still running after ${grace}s: SIGKILL" >&2
     kill -KILL "$p" 2>/dev/null
   done
@@ -92,12 +125,16 @@ stop_all() {  # signal: TERM everyone, wait up to the grace period, then KILL wh
 on_signal() {
   trap '' INT TERM
   echo "launch.sh: $1 received: stopping the job (grace ${grace}s)"
-  local status=0 p
+  local status=0 p st
   stop_all TERM || status=137
-  for p in "${!name_of[@]}"; do
+  for p in "${pids[@]}"; do
     wait "$p" 2>/dev/null
-    local st=$?
-    [[ ${critical_of[$p]} == 1 && $st != 0 && $st != 127 ]] && status=$st
+    st=$?
+    if [[ ${critical_of[$p]} == 1 && $st != 0 && $st != 127 ]]; then
+      status=$st
+      echo "launch.sh: ${name_of[$p]} exited with status $st (log ${log_of[$p]})" >&2
+      own_tail "$p"
+    fi
   done
   exit "$status"
 }
@@ -111,11 +148,13 @@ done <<<"$plan"
 status=0 critical_left=0 telemetry_restarts=0
 for p in "${pids[@]}"; do [[ ${critical_of[$p]} == 1 ]] && ((critical_left++)); done
 while ((critical_left > 0)); do
+  # `wait -n` reports each exit once, also of processes that exited together; a pid leaves the list only
+  # when it has been reported (pruning by `kill -0` loses the exits that were already reaped)
   done_pid=""
   wait -n -p done_pid "${pids[@]}"
   st=$?
-  alive
   [[ -z $done_pid ]] && continue
+  collected "$done_pid"
   name=${name_of[$done_pid]}
   if [[ ${critical_of[$done_pid]} == 0 ]]; then
     if ((telemetry_restarts < 20)); then
@@ -129,7 +168,7 @@ while ((critical_left > 0)); do
   critical_left=$((critical_left - 1))
   if ((st != 0)); then
     echo "launch.sh: $name exited with status $st (log ${log_of[$done_pid]}); tearing the job down" >&2
-    tail -n 5 "${log_of[$done_pid]}" | sed 's/^/    /' >&2
+    own_tail "$done_pid"
     status=$st
     stop_all TERM
     break
@@ -141,6 +180,6 @@ trap - INT TERM
 
 if ((status == 0 && demo)); then
   echo "launch.sh: evaluating the demo drafters by speculative decoding"
-  "$PY" -m demo evaluate "$job" || status=$?
+  "$PY" -m producer.demo evaluate "$job" || status=$?
 fi
 exit "$status"

@@ -14,7 +14,7 @@ Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
 The chain: every checkpoint record names its parent (the previous successful save of this process, or the
 checkpoint it resumed from) and carries the seqs the replica group trained since that parent, repeats
 included. The checkpoint itself carries its record's id in trainer_state.pt ("ledger": {"id": ...}), written
-atomically with it, so the checker starts from what `latest` really points at. The record is flushed before
+atomically with it, so the checker starts from what `latest` really points at. The record is written before
 the checkpoint is written: a process killed between the two leaves a record that no checkpoint names.
 
 What this proves, and what it does not claim: batches a consumer trained after its last checkpoint are lost
@@ -24,8 +24,15 @@ chain from it back to a fresh start, every seq appears once, and the seqs of eac
 that epoch once. The step records show the work lost in crashes; the checker reports it and shows that each
 such seq was trained again, once, in the lineage.
 
-Cost on the hot path: one dict per batch (producer) or per step (consumer) appended to a list; the list is
-written with one os.write at most every FLUSH_S seconds, and at once for checkpoint records.
+When a record is durable: every record is one os.write (O_APPEND) as it is made, so a process killed at
+any moment (SIGKILL included) leaves every record it made in the page cache; a torn last line is the only
+loss, and the checker skips it. The producer writes a batch's record *before* it sends the BATCH: no
+consumer can train a batch the log does not show as delivered. (An earlier version buffered a second of
+records in memory; a SIGKILLed producer took the deliveries of its last second with it, and the checker
+then found their samples missing from the epoch. A machine crash can still lose what the page cache held:
+the consumers' checkpoints are lost with it too, so the lineage stays consistent.)
+
+Cost on the hot path: one dict and one os.write per batch (producer) or per step (consumer): a few µs.
 """
 
 from __future__ import annotations
@@ -40,8 +47,6 @@ from pathlib import Path
 from typing import Any
 
 ACCOUNTING_DIR = "accounting"
-FLUSH_S = 1.0
-MAX_BUFFERED = 1024
 
 
 def sample_digest(sample_ids: Iterable[int]) -> str:
@@ -51,40 +56,26 @@ def sample_digest(sample_ids: Iterable[int]) -> str:
 
 
 class JobLog:
-    """Append-only JSON lines of one process incarnation, buffered: one os.write per flush."""
+    """Append-only JSON lines of one process incarnation; each record is one os.write as it is made."""
 
-    def __init__(self, run_dir: str | Path, role: str, name: str, flush_s: float = FLUSH_S):
+    def __init__(self, run_dir: str | Path, role: str, name: str):
         folder = Path(run_dir) / ACCOUNTING_DIR
         folder.mkdir(parents=True, exist_ok=True)
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.path = folder / f"{role}-{name}-{self.incarnation}.jsonl"
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._buffer: list[str] = []
-        self._flush_s = flush_s
-        self._last_flush = time.monotonic()
 
-    def write(self, kind: str, fields: dict[str, Any], *, flush: bool = False) -> None:
-        self._buffer.append(json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":")))
-        if flush or len(self._buffer) >= MAX_BUFFERED or time.monotonic() - self._last_flush >= self._flush_s:
-            self.flush()
-
-    def flush(self) -> None:
-        """One write of every buffered line; a failure (disk full) keeps them for the next try."""
-        self._last_flush = time.monotonic()
-        if not self._buffer or self._fd is None:
-            return
-        data = ("\n".join(self._buffer) + "\n").encode()
+    def write(self, kind: str, fields: dict[str, Any]) -> None:
+        """Append one record; it survives a kill of this process the moment this returns."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the job log is closed")
+        data = (json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":")) + "\n").encode()
         written = os.write(self._fd, data)
         if written != len(data):  # a short append (disk full mid-write): finish it or raise
             os.write(self._fd, data[written:])
-        self._buffer.clear()
 
     def close(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            self.flush()
-        finally:
+        if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
@@ -105,7 +96,7 @@ class DeliveryLedger:
             raise ValueError(f"the epochs hold {first} batches, the plan says {total_batches}")
         self.log = JobLog(run_dir, "producer", f"n{node}")
         self.log.write("plan", {"node": node, "total_batches": total_batches, "epochs": epochs,
-                                "samples": len(ids), "digest": sample_digest(ids)}, flush=True)
+                                "samples": len(ids), "digest": sample_digest(ids)})
 
     def delivered(self, seq: int, epoch: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
         self.log.write("batch", {"node": self.node, "seq": seq, "epoch": epoch,
@@ -157,14 +148,14 @@ class TrainLedger:
         self._count = 0
         self._attempt: str | None = None
         self.log.write("start", {"drafter": drafter, "rank": rank, "world": world_size, "base": base,
-                                 "base_step": base_step, "pid": os.getpid()}, flush=True)
+                                 "base_step": base_step, "pid": os.getpid()})
 
     def stepped(self, step: int, seqs: Sequence[int]) -> None:
         self.log.write("step", {"drafter": self.drafter, "rank": self.rank, "step": step, "seqs": list(seqs)})
 
     def checkpoint(self, what: Any, trained: dict[int, list[int]], cursors: Sequence[int],
                    trained_above: Sequence[Sequence[int]]) -> LedgerCheckpoint:
-        """Log the checkpoint about to be written (flushed now) and return `what` carrying the record's id.
+        """Log the checkpoint about to be written and return `what` carrying the record's id.
 
         `trained`: every seq the group trained since the previous checkpoint, per node, repeats included."""
         for node, seqs in trained.items():
@@ -175,7 +166,7 @@ class TrainLedger:
             "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(what.step),
             "trained": {str(n): s for n, s in sorted(self._pending.items())},
             "cursors": list(cursors), "trained_above": [list(a) for a in trained_above],
-        }, flush=True)
+        })
         self._attempt = record_id
         return LedgerCheckpoint(what, record_id)
 
@@ -183,8 +174,7 @@ class TrainLedger:
         """The save returned: its record becomes the parent of the next one."""
         if self._attempt is not None:
             self.parent, self._attempt, self._pending = self._attempt, None, {}
-        self.log.write("saved", {"drafter": self.drafter, "rank": self.rank, "id": self.parent, "step": step},
-                       flush=True)
+        self.log.write("saved", {"drafter": self.drafter, "rank": self.rank, "id": self.parent, "step": step})
 
     def close(self) -> None:
         self.log.close()

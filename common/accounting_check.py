@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{d.drafter}: {state}: {d.trained_batches} batches in {d.lineage_checkpoints} checkpoints up to"
                   f" {d.final_checkpoint}, {d.epochs_complete} whole epochs verified, duplicates"
                   f" {d.duplicate_batches}/{d.duplicate_samples} (batches/samples), missing {d.missing_batches},"
-                  f" lost samples {d.lost_samples}, lost in crashes {d.crash_lost_batches} (retrained"
+                  f" lost samples {d.lost_samples}, undelivered {d.undelivered_batches}, epochs mismatched"
+                  f" {d.epochs_mismatched}, lost in crashes {d.crash_lost_batches} (retrained"
                   f" {d.crash_lost_retrained}){'; complete' if d.complete else ''}")
             for e in d.errors:
                 print(f"    {e}")

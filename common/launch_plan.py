@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    job.run_paths.make()
     for p in procs:
         print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")
     return 0

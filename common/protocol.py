@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: HELLO carries node and launch, WELCOME the launch
 MAX_MESSAGE_BYTES = 1 << 20  # also the sockets' MAXMSGSIZE
 MAX_STR = 4096
 MAX_BYTES = 4096
@@ -40,6 +40,8 @@ class Hello:
     gpu_uuid: str  # "" on CPU
     resume_seq: int
     ring_attached: bool = False  # this process holds the ring already: WELCOME need not export it again
+    node: int = 0  # the node rank this consumer belongs to (the producer serves its own node only)
+    launch: str = ""  # the launch's id (common/joblock.py; "" without launch.sh): must equal the producer's
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Welcome:
     ring: dict[str, Scalar]  # plain values: shm path, or CUDA IPC fields; {} when HELLO said ring_attached
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    launch: str = ""  # the producer's launch id, which the consumer's HELLO matched
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Protocol
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
 from consumer.distributed import GroupCheckpoint, GroupCursor, GroupError, ReplicaGroup, RoundFlags, StepTrace
-from consumer.stream import BatchStream, ConsumerRejected, ProducerLost, ReceivedBatch, StreamEnd
+from consumer.stream import BatchStream, ConsumerRejected, ProducerLost, ReceivedBatch, StopRequested, StreamEnd
 from consumer.trainer import NonFiniteTrainingError, Trainer
 
 log = logging.getLogger("consumer")
@@ -30,6 +30,19 @@ EXIT_FAILED = 1
 EXIT_PRODUCER_LOST = 3
 EXIT_REJECTED = 4
 EXIT_GROUP_LOST = 5
+
+
+class StopSignal:
+    """SIGTERM/SIGINT become a reason the loop polls. Installed when the process starts, so that loading,
+    warm-up and the wait for the producer honour a stop too (the loop finishes its round and checkpoints)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def _stop(self, signum, _frame) -> None:
+        self.reason = f"stopped by {signal.Signals(signum).name}"
 
 
 class StatsSink(Protocol):
@@ -52,6 +65,7 @@ class ConsumerService:
         name: str = "consumer",
         trace: StepTrace | None = None,
         ledger: TrainLedger | None = None,
+        stop: StopSignal | None = None,
     ):
         """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
         `cursor` is where the group resumes (from its checkpoint, or fresh)."""
@@ -68,7 +82,7 @@ class ConsumerService:
         self.trace = trace
         self.ledger = ledger  # the job log of steps and checkpoints (common/accounting.py)
         self.node = group.env.node_rank
-        self._stop_reason: str | None = None
+        self._stop = stop
         self._saved_step = trainer.step
         self._connected = False
         # this replica in the current round / step
@@ -88,8 +102,16 @@ class ConsumerService:
         """The seq this replica asks for in HELLO: the group's cursor at start, past what it trained after."""
         return max(self.cursor.cursors[self.node], self._highest_seen + 1)
 
+    @property
+    def _stop_reason(self) -> str | None:
+        return self._stop.reason if self._stop else None
+
+    def stopping(self) -> bool:
+        return self._stop_reason is not None
+
     def run(self) -> int:
-        self._install_signal_handlers()
+        if self._stop is None:
+            self._stop = StopSignal()
         try:
             while True:
                 if self._round is None and self._ended is None and self._fault is None:
@@ -139,6 +161,8 @@ class ConsumerService:
             return
         except ConsumerRejected as err:
             self._fault = ("rejected", str(err))
+            return
+        except StopRequested:  # the stop flag is set: this round's flags end the loop
             return
         finally:
             if self.prof:
@@ -250,11 +274,3 @@ class ConsumerService:
         if say_bye and self._connected:
             self.stream.bye(reason, self.trainer.last_seq)
         return status
-
-    def _install_signal_handlers(self) -> None:
-        def stop(signum, _frame):
-            # finish the round in progress, checkpoint, then exit 0
-            self._stop_reason = f"stopped by {signal.Signals(signum).name}"
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)

@@ -23,6 +23,8 @@ from common.security import client_curve, private_dir
 
 log = logging.getLogger("consumer")
 
+STOP_POLL_S = 0.2  # how often a wait for the producer looks at `stopping()`
+
 
 class ProducerLost(RuntimeError):
     """The producer stopped answering (crash, kill, network): the caller checkpoints and exits non-zero."""
@@ -30,6 +32,10 @@ class ProducerLost(RuntimeError):
 
 class ConsumerRejected(RuntimeError):
     """The producer refused this consumer for good (unknown drafter, incompatible ring)."""
+
+
+class StopRequested(RuntimeError):
+    """SIGTERM/SIGINT while waiting for the producer: give up the wait, the caller exits cleanly."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,18 @@ class BatchStream:
         device: torch.device,
         resume_seq: Callable[[], int],
         prof: ProfileStats | None = None,
+        *,
+        node: int = 0,
+        launch_id: str = "",
+        stopping: Callable[[], bool] = lambda: False,
     ):
-        """`resume_seq()` gives the next seq this drafter needs (asked again on every re-attachment)."""
+        """`resume_seq()` gives the next seq this drafter needs (asked again on every re-attachment);
+        `launch_id` is the launch this process belongs to (common/joblock.py); `stopping()` is polled while
+        waiting for the producer, so a SIGTERM during start-up is honoured at once (raises `StopRequested`)."""
         self.job = job
+        self.node = node
+        self.launch_id = launch_id
+        self.stopping = stopping
         self.drafter = drafter
         self.replica = replica
         self.device = device
@@ -73,8 +88,10 @@ class BatchStream:
         private_dir(job.run_paths.sockets)  # never talk through a folder another user controls
         endpoint = job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else self._tcp_endpoint()
         curve = client_curve(job.run_paths) if t.use_curve else None  # the producer made the keys before binding
-        self.channel = ConsumerChannel(endpoint, f"{drafter}.{replica}", t.heartbeat_interval_s, t.heartbeat_timeout_s,
-                                       curve=curve)
+        # the launch is part of the identity: ROUTER_HANDOVER gives an identity to a newcomer of the same launch
+        # (a restarted replica), never to one of another launch, whose HELLO the producer then rejects
+        identity = f"{drafter}.{replica}" + (f".{launch_id}" if launch_id else "")
+        self.channel = ConsumerChannel(endpoint, identity, t.heartbeat_interval_s, t.heartbeat_timeout_s, curve=curve)
         self.ring: SlotRing | None = None
         self.epoch = -1
         self.dropped_stale = 0  # batches discarded because this process stalled past the fence bound
@@ -89,6 +106,8 @@ class BatchStream:
         path = self.job.run_paths.sockets / "control.endpoint"
         deadline = time.monotonic() + self.job.transport.attach_timeout_s
         while not path.exists():
+            if self.stopping():
+                raise StopRequested("stopped while waiting for the producer's endpoint")
             if time.monotonic() > deadline:
                 raise ProducerLost(f"no producer endpoint in {path} after {self.job.transport.attach_timeout_s:.0f} s")
             time.sleep(0.1)
@@ -99,13 +118,19 @@ class BatchStream:
         """HELLO → WELCOME → attach the ring (first time only) → ATTACHED."""
         gpu = torch.cuda.get_device_properties(self.device).uuid if self.device.type == "cuda" else ""
         resume = self.resume_seq()
-        self.channel.send(Hello(self.drafter, self.replica, os.getpid(), str(gpu), resume, self.ring is not None))
+        self.channel.send(Hello(self.drafter, self.replica, os.getpid(), str(gpu), resume, self.ring is not None,
+                                self.node, self.launch_id))
         timeout = self.job.transport.attach_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            ev = self.channel.recv(max(0.0, deadline - time.monotonic()))
-            if ev is None:
+            if self.stopping():
+                raise StopRequested("stopped while waiting for the producer")
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise ProducerLost(f"no WELCOME from the producer within {timeout:.0f} s (transport.attach_timeout_s)")
+            ev = self.channel.recv(min(left, STOP_POLL_S))
+            if ev is None:
+                continue
             if isinstance(ev, PeerLost):
                 raise ProducerLost(f"producer lost while attaching: {ev.reason}")
             msg = ev.msg
@@ -217,4 +242,4 @@ class BatchStream:
             self.ring = None
 
 
-__all__ = ["BatchStream", "ConsumerRejected", "ProducerLost", "ReceivedBatch", "StreamEnd"]
+__all__ = ["BatchStream", "ConsumerRejected", "ProducerLost", "ReceivedBatch", "StopRequested", "StreamEnd"]

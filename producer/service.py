@@ -51,6 +51,7 @@ class ProducerCounters:
     tokens: int = 0
     stale_messages: int = 0
     fenced: int = 0
+    rejected_hellos: int = 0  # HELLOs that do not fit the job (drafter, replica, node, launch)
 
 
 def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
@@ -76,9 +77,14 @@ class ProducerService:
         prof: ProfileStats | None = None,
         stats: StatsSink | None = None,
         ledger: DeliveryLedger | None = None,
+        launch_id: str = "",
+        node: int = 0,
     ):
-        """`ledger`: the job log every delivered batch is appended to (common/accounting.py)."""
+        """`ledger`: the job log every delivered batch is appended to (common/accounting.py); `launch_id`: the
+        launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank."""
         self.job = job
+        self.launch_id = launch_id
+        self.node = node
         self.target = target
         self.batches_from = batches_from
         self.prof = prof
@@ -120,7 +126,7 @@ class ProducerService:
         self._install_signal_handlers()
         try:
             if not self._wait_for_groups():
-                return 2
+                return 0 if self._stop_reason else 2  # stopped while waiting is no failure
             while self._stop_reason is None:
                 self._handle_messages(timeout_s=0)
                 if self._finished():
@@ -182,12 +188,12 @@ class ProducerService:
             return
         num_loss = int(batch.loss_mask.sum()) if batch.loss_mask.device.type == "cpu" else -1
         wire = layout_to_wire(layout)
+        if self.ledger:  # on disk before any consumer can train it: a SIGKILL after the send loses no record
+            self.ledger.delivered(batch.seq, batch.epoch, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in members])
         for m in members:
             self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, batch.epoch, wire,
                                             list(batch.sample_ids), int(batch.input_ids.shape[0]), num_loss))
         self.table.publish(slot, batch.seq, [m.peer for m in members])
-        if self.ledger:
-            self.ledger.delivered(batch.seq, batch.epoch, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in members])
         self.channel.last_seq = batch.seq
         self.counters.batches += 1
         self.counters.tokens += int(batch.input_ids.shape[0])
@@ -257,19 +263,38 @@ class ProducerService:
         else:
             self._stale(peer, msg)
 
+    def _hello_problem(self, msg: Hello) -> str | None:
+        """Why a HELLO does not belong to this job's node and launch; None when it does."""
+        if msg.launch != self.launch_id:
+            return (f"launch {msg.launch or '(none)'} is not this producer's launch {self.launch_id or '(none)'}:"
+                    " another launch of the same job?")
+        if msg.node != self.node:
+            return f"node {msg.node}: this producer serves node {self.node}"
+        drafter = next((d for d in self.job.drafters if d.name == msg.drafter), None)
+        if drafter is None:
+            return f"no drafter {msg.drafter!r} in this job (have {[d.name for d in self.job.drafters]})"
+        if not 0 <= msg.replica < drafter.replicas:
+            return f"replica {msg.replica} is outside drafter {drafter.name}'s {drafter.replicas} replica(s)"
+        return None
+
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        problem = self._hello_problem(msg)
+        if problem is not None:  # refused before it can touch any state (slots, groups, cursors)
+            self.counters.rejected_hellos += 1
+            if self.prof:
+                self.prof.count("rejected_hellos")
+            log.warning("rejected HELLO from %r (pid %d): %s", peer, msg.pid, problem)
+            self.channel.send(peer, Fail(f"rejected: {problem}", fatal=True))
+            self.channel.forget(peer)
+            return
         self.table.reclaim(peer)  # a previous session of this consumer holds nothing any more
         self._ended_peers.discard(peer)
-        try:
-            member = self.delivery.join(peer, msg.drafter, msg.replica, msg.pid, msg.resume_seq)
-        except KeyError as err:
-            self.channel.send(peer, Fail(str(err.args[0]), fatal=True))
-            return
+        member = self.delivery.join(peer, msg.drafter, msg.replica, msg.pid, msg.resume_seq)
         t = self.job.transport
         # a CUDA export must be opened exactly once: a process that holds the ring gets none
         handle = {} if msg.ring_attached else self.ring.handle()
         self.channel.send(peer, Welcome(member.epoch, self.ring.kind, self.ring.num_slots, self.ring.slot_bytes,
-                                        handle, t.heartbeat_interval_s, t.heartbeat_timeout_s))
+                                        handle, t.heartbeat_interval_s, t.heartbeat_timeout_s, self.launch_id))
 
     def _fence(self, peer: bytes, reason: str) -> None:
         member = self.delivery.leave(peer)
@@ -352,9 +377,9 @@ class ProducerService:
             self._handle_messages(timeout_s=POLL_S)
         if self.delivery.by_peer:
             log.warning("consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace)
-        log.info("producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases",
-                 reason, self.counters.batches, self.counters.tokens, self.counters.fenced,
-                 self.counters.stale_messages, self.table.stale_releases)
+        log.info("producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases,"
+                 " %d rejected HELLOs", reason, self.counters.batches, self.counters.tokens, self.counters.fenced,
+                 self.counters.stale_messages, self.table.stale_releases, self.counters.rejected_hellos)
         return 0
 
     def close(self) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
 from common.config import ConfigError, load_job
+from common.joblock import JobLocked, enter
 from telemetry.service import TelemetryService
 
 
@@ -22,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(args.job)
     except ConfigError as err:
         print(err, file=sys.stderr)
+        return 2
+    try:  # held for life: one job per run folder, one telemetry per node
+        enter(job.run_paths.root, "telemetry", int(os.environ.get("NODE_RANK", 0)))
+    except (JobLocked, OSError) as err:
+        log.error("%s", err)
         return 2
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():

@@ -1,4 +1,4 @@
-"""Regressions in the producer: skip mode with every consumer gone, and the slot's seq tag."""
+"""Regressions in the producer: skip mode with every consumer gone, the slot's seq tag, HELLO validation."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import torch
 
 from common.config import load_job
 from common.ring import SEQ_TAG
-from consumer.stream import BatchStream, ReceivedBatch, StreamEnd
+from consumer.stream import BatchStream, ConsumerRejected, ReceivedBatch, StreamEnd
 from producer.service import ProducerService, slot_layout
 from tests.procs.transport_pair import FakeTarget, make_batch
 
@@ -154,3 +154,32 @@ def test_a_producer_that_cannot_listen_leaves_no_ring_behind(skip_job):
     finally:
         first.close()
     assert not Path(f"/dev/shm/dflash-ring-a-{job.job.name}").exists()
+
+
+def test_a_hello_that_does_not_fit_the_job_is_rejected_counted_and_harms_nobody(skip_job):
+    """Found from outside: a HELLO with a replica index outside the drafter's replicas (even 2**64-1) was
+    accepted as a new group member and dealt batches. Unknown drafter, replica out of range, another node
+    and another launch are each refused with a clear FAIL, counted, and the job goes on."""
+    job_path = skip_job(attach=60)
+    job = load_job(job_path)
+    proc, out = start_producer(job_path, 12)
+    bad = [(dict(drafter="nope"), "no drafter 'nope' in this job"),
+           (dict(replica=1), "replica 1 is outside drafter d0's 1 replica"),
+           (dict(replica=2**64 - 1), f"replica {2**64 - 1} is outside drafter d0's 1 replica"),
+           (dict(node=3), "node 3: this producer serves node 0"),
+           (dict(launch="someone-else"), "launch someone-else is not this producer's launch")]
+    try:
+        for fields, reason in bad:
+            args = {"drafter": "d0", "replica": 0, "node": 0, "launch": "", **fields}
+            stream = BatchStream(job, args["drafter"], args["replica"], torch.device("cpu"), lambda: 0,
+                                 node=args["node"], launch_id=args["launch"])
+            try:
+                with pytest.raises(ConsumerRejected, match=reason):
+                    stream.connect()
+            finally:
+                stream.close()
+        assert session(job, 0, None) == list(range(12))  # the real consumer is served every batch
+        assert proc.wait(timeout=60) == 0
+        assert json.loads(out.read_text())["rejected_hellos"] == len(bad)
+    finally:
+        proc.kill()

@@ -49,9 +49,9 @@ def test_wrong_version_unknown_type_and_field_count_rejected():
     with pytest.raises(ProtocolError, match="fields"):
         decode(msgpack.packb([*hello, 1]))
     with pytest.raises(ProtocolError, match="expected int"):
-        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", "1", 1, "", 0, False]))
+        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", "1", 1, "", 0, False, 0, ""]))
     with pytest.raises(ProtocolError, match="expected int"):
-        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", True, 1, "", 0, False]))  # bool is not an int here
+        decode(msgpack.packb([PROTOCOL_VERSION, 1, "d0", True, 1, "", 0, False, 0, ""]))  # bool is not an int here
 
 
 def test_non_finite_numbers_rejected():
@@ -67,7 +67,7 @@ def test_oversized_and_nested_values_rejected():
         encode(Fail("x" * (MAX_MESSAGE_BYTES + 10)))
     ring = {"path": {"nested": 1}}
     with pytest.raises(ProtocolError, match="plain value"):
-        decode(msgpack.packb([PROTOCOL_VERSION, 2, 1, "cpu", 4, 10, ring, 1.0, 5.0]))
+        decode(msgpack.packb([PROTOCOL_VERSION, 2, 1, "cpu", 4, 10, ring, 1.0, 5.0, ""]))
     bad_layout = [PROTOCOL_VERSION, 4, 1, 1, 0, 0, [["h", "float32", "4x4", 0]], [], 1, 1]
     with pytest.raises(ProtocolError, match="expected list"):
         decode(msgpack.packb(bad_layout))

@@ -66,7 +66,8 @@ def producer(job_path: str, num_batches: int, out_path: str) -> int:
     ring_path = service.ring.path
     status = service.run()
     write_json(out_path, {"status": status, "in_use": service.table.in_use, "batches": service.counters.batches,
-                          "fenced": service.counters.fenced, "ring_path": ring_path})
+                          "fenced": service.counters.fenced, "ring_path": ring_path,
+                          "rejected_hellos": service.counters.rejected_hellos})
     return status
 
 

@@ -1,0 +1,161 @@
+"""One running job per run folder: the lock every process takes before it touches the folder.
+
+    RUN_DIR/job-n<node>.lock        launch.sh holds it exclusively (flock) for its whole process group and
+                                    writes "pid=… start=… launch=…" into it; the processes it starts inherit
+                                    the lock and find their launch's id in $DFLASH_LAUNCH_ID.
+    RUN_DIR/locks/n<node>-<name>.lock   each process's own lock, held exclusively for its life.
+
+A process started without launch.sh (by hand, by systemd) takes the job lock shared, so the processes of
+one unmanaged job coexist while a launch.sh of the same job is refused, and vice versa. Either way a
+second copy of one process (its own lock) is refused. The refusal names the holder's pid and start time.
+
+    python -m common.joblock info JOB.toml [--node-rank R]   run folder, lock file, ring file (for launch.sh)
+    python -m common.joblock holders RUN_DIR [--node-rank R]  who holds the job's locks, one line each
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LAUNCH_ENV = "DFLASH_LAUNCH_ID"  # set by launch.sh for the processes it starts
+
+
+class JobLocked(RuntimeError):
+    """Another launch or process of this job holds the run folder; the message names it."""
+
+
+def job_lock_path(run_dir: str | Path, node: int) -> Path:
+    return Path(run_dir) / f"job-n{node}.lock"
+
+
+def process_lock_path(run_dir: str | Path, node: int, name: str) -> Path:
+    return Path(run_dir) / "locks" / f"n{node}-{name}.lock"
+
+
+def _read_fields(path: Path) -> dict[str, str]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    return dict(word.split("=", 1) for word in text.split() if "=" in word)
+
+
+def _describe(fields: dict[str, str], what: str) -> str:
+    if not fields.get("pid"):
+        return what
+    start = fields.get("start", "?")
+    launch = f", launch {fields['launch']}" if fields.get("launch") else ""
+    return f"{what} pid {fields['pid']} (started {start}{launch})"
+
+
+def _held(path: Path, mode: int = fcntl.LOCK_EX) -> bool:
+    """Whether some process holds `path` locked: in any mode (LOCK_EX asked), or exclusively (LOCK_SH asked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def holders(run_dir: str | Path, node: int = 0) -> list[str]:
+    """One line per live holder of this job's locks: the launch, then each process."""
+    out = []
+    job_lock = job_lock_path(run_dir, node)
+    fields = _read_fields(job_lock)
+    if _held(job_lock, fcntl.LOCK_SH) and fields.get("launch"):  # held exclusively: by a launch
+        out.append(_describe(fields, "launch.sh"))
+    for path in sorted((Path(run_dir) / "locks").glob(f"n{node}-*.lock")):
+        if _held(path):
+            out.append(_describe(_read_fields(path), path.stem.split("-", 1)[1]))
+    return out
+
+
+@dataclass
+class JobLock:
+    """What a process holds for its life (closed at exit by the kernel, or by `release`)."""
+
+    fds: list[int]
+    launch_id: str  # the launch this process belongs to ("" when started without launch.sh)
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _stamp(fd: int, launch_id: str) -> None:
+    start = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid={os.getpid()} start={start} launch={launch_id}\n".encode(), 0)
+
+
+def enter(run_dir: str | Path, name: str, node: int = 0) -> JobLock:
+    """Take this process's place in the job at `run_dir`, before it touches anything there.
+
+    Raises JobLocked (naming the holder) when another launch of the job, or another copy of `name`, runs."""
+    root = Path(run_dir)
+    (root / "locks").mkdir(parents=True, exist_ok=True)
+    job_path = job_lock_path(root, node)
+    env_id = os.environ.get(LAUNCH_ENV, "")
+    job_fd = os.open(job_path, os.O_RDWR | os.O_CREAT, 0o644)
+    launch_id = ""
+    try:
+        fcntl.flock(job_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # a launch holds it: ours, or another one
+        fields = _read_fields(job_path)
+        if not env_id or fields.get("launch") != env_id:
+            os.close(job_fd)
+            raise JobLocked(f"{root} is in use by {_describe(fields, 'launch.sh')}; {name} not started") from None
+        launch_id = env_id
+    fds = [job_fd]
+    own_path = process_lock_path(root, node, name)
+    own_fd = os.open(own_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(own_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fields = _read_fields(own_path)
+        os.close(own_fd)
+        os.close(job_fd)
+        raise JobLocked(f"{root}: {_describe(fields, f'another {name}')} is running for this job;"
+                        f" {name} not started") from None
+    _stamp(own_fd, launch_id)
+    fds.append(own_fd)
+    return JobLock(fds, launch_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.config import ConfigError, load_job
+
+    ap = argparse.ArgumentParser(prog="python -m common.joblock", description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["info", "holders"])
+    ap.add_argument("path", help="the job file (info) or the run folder (holders)")
+    ap.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)))
+    args = ap.parse_args(argv)
+    if args.what == "holders":
+        print("\n".join(holders(args.path, args.node_rank)) or "nobody")
+        return 0
+    try:
+        job = load_job(args.path)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    root = job.run_paths.root.resolve()
+    ring = f"/dev/shm/dflash-ring-{job.job.name}-n{args.node_rank}" if job.transport_kind == "cpu" else ""
+    print(f"{root}\t{job_lock_path(root, args.node_rank)}\t{ring}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
