@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from common.accounting import DeliveryLedger
 from common.config import ConfigError, JobConfig, load_job
+from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
 from common.ring import RingError
 from common.stats import StatsPublisher
@@ -80,13 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.job)
         check_writable(job.run_paths.root, "run folder")
+        lock = enter(job.run_paths.root, "producer", args.node_rank)  # held for life: one job per run folder
         job.run_paths.make()
         if os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
             shutil.copyfile(args.job, job.run_paths.job_copy)
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
                              job.target.device, job.target.attn_implementation)
         dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
-    except (ConfigError, StorageError, TargetLoadError, DataError) as err:
+    except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError) as err:
         log.error("%s", err)
         return 2
     log.info("target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s", job.target.path,
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         service = ProducerService(
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches), len(plan),
             ring_name=f"{job.job.name}-n{args.node_rank}", prof=prof, stats=stats, ledger=ledger,
+            launch_id=lock.launch_id, node=args.node_rank,
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)
