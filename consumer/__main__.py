@@ -15,12 +15,13 @@ import torch
 
 from common.accounting import TrainLedger, ledger_id_of
 from common.config import ConfigError, dflash_layer_ids, load_job
+from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
-from consumer.service import EXIT_GROUP_LOST, ConsumerService
+from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
 from consumer.stream import BatchStream
 from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None,
                     help="append one JSON line per optimizer step (seqs, samples, parameter digest) to this file")
     args = ap.parse_args(argv)
+    stop = StopSignal()  # from here on SIGTERM/SIGINT end the process cleanly, start-up included
     node = f"n{args.node_rank}." if args.nnodes > 1 else ""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {args.drafter}.{node}r{args.replica} %(levelname)s %(message)s")
@@ -53,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.replica < cfg.replicas:
         log.error("replica %d is outside drafter %s's %d replicas", args.replica, cfg.name, cfg.replicas)
+        return 2
+    try:  # held for life: one job per run folder, one copy of this replica
+        lock = enter(job.run_paths.root, f"consumer-{cfg.name}-r{args.replica}", args.node_rank)
+    except (JobLocked, OSError) as err:
+        log.error("%s", err)
         return 2
     try:
         env = GroupEnv.resolve(os.environ, replica=args.replica, replicas=cfg.replicas, node_rank=args.node_rank,
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return EXIT_GROUP_LOST
     try:
-        return run(job, cfg, env, group, device, prof, interval, name, args.trace)
+        return run(job, cfg, env, group, device, prof, interval, name, args.trace, stop, lock.launch_id)
     except GroupError as err:
         log.error("%s", err)
         return EXIT_GROUP_LOST
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None,
-        interval: float, name: str, trace_path: str | None) -> int:
+        interval: float, name: str, trace_path: str | None, stop: StopSignal, launch_id: str) -> int:
     parts = load_target_parts(job.target.path)
     layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof)
@@ -121,10 +128,14 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         log.info("%s is rank %d of %d (node %d of %d), group at %s:%d", name, env.rank, env.world_size,
                  env.node_rank, env.nnodes, env.master_addr, env.master_port)
     trainer.warmup(triton_cache_dir=job.run_paths.root / "triton-cache")
+    if stop.reason:  # stopped while loading: nothing trained, nothing to save
+        log.info("%s: %s during start-up; exiting", name, stop.reason)
+        return 0
 
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval, prof) if prof else None
     # the stream asks for the resume seq on every (re)attachment: the service knows it (bound late)
-    stream = BatchStream(job, cfg.name, env.local_rank, device, resume_seq=lambda: service.resume_seq(), prof=prof)
+    stream = BatchStream(job, cfg.name, env.local_rank, device, resume_seq=lambda: service.resume_seq(), prof=prof,
+                         node=env.node_rank, launch_id=launch_id, stopping=lambda: stop.reason is not None)
     service = ConsumerService(
         trainer, stream, lambda what: save_checkpoint(ckpt_root, what),
         group=group, cursor=cursor, checkpoint_every=cfg.checkpoint_every,
@@ -133,6 +144,7 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
                            base=ledger_id_of(resumed[1]) if resumed else None,
                            resumed_from=resumed[0] if resumed else None),
+        stop=stop,
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
              cfg.num_layers, cfg.block_size, layer_ids)
