@@ -3,6 +3,7 @@ lm_head loss against the full-logits one, and the logged metrics."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -138,3 +139,47 @@ def test_rows_without_loss_cannot_poison_the_loss():
     loss, _ = chunked_lm_head_loss(hidden, torch.randn(32, 8), torch.randint(0, 32, (6,)), weights, 4)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(hidden.grad).all() and (hidden.grad[2] == 0).all()
+
+
+def test_an_optimizer_step_normalises_by_the_weight_sum_of_all_its_batches(tmp_path):
+    """Two micro-batches with very different Σw accumulate into one optimizer step: the gradient the
+    optimizer sees must be ∇(Σ_batches Σ w·CE / Σ_batches Σ w), computed here independently (the
+    full-logits loss on a copy of the model, the same anchors). Dropping the 1/Σw, dividing by the token
+    count, or normalising each batch by its own Σw all give a different gradient."""
+    from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
+
+    from consumer.objective import attention_masks, build_draft_batch
+    from consumer.target_parts import load_target_parts
+    from consumer.trainer import Trainer
+
+    target = tiny_target(tmp_path / "t")
+    long_seqs, short_seqs = distinct_seqs([40, 56]), distinct_seqs([9], seed=2)
+    batches = [(target_features(target, s), *packed(s, prompt_len=p)) for s, p in ((long_seqs, 2), (short_seqs, 6))]
+    tokens = sum(b[1].numel() for b in batches)
+    cfg = drafter_cfg(tokens_per_step=tokens, grad_clip=1e9, anchors_per_seq=16)
+    trainer = Trainer(cfg, load_target_parts(tmp_path / "t"), LAYER_IDS, "cpu")
+    reference_model = copy.deepcopy(trainer.model)
+    gen = torch.Generator().manual_seed(0)
+    gen.set_state(trainer.generator.get_state())  # the trainer's anchors, drawn again
+
+    loss_sum, weight_sums = 0.0, []
+    for hidden, ids, mask, cu in batches:
+        batch = build_draft_batch(ids, mask, cu, anchors_per_seq=16, block_size=cfg.block_size,
+                                  mask_token_id=trainer.mask_token_id, gamma=cfg.loss_gamma, generator=gen)
+        h = reference_model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos,
+                            attention_masks(batch, ["full_attention"], None, flex=False))
+        loss_sum = loss_sum + full_logits_loss(h, reference_model.lm_head, batch.labels, batch.weights)[0]
+        weight_sums.append(float(batch.weights.sum()))
+    assert weight_sums[0] > 5 * weight_sums[1] > 0  # very different Σw
+    (loss_sum / sum(weight_sums)).backward()
+    want = {n: p.grad for n, p in reference_model.named_parameters()}
+
+    seen = {}
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    )
+    assert trainer.train_batch(*batches[0], seq=0) is None  # accumulating: no step yet
+    trainer.train_batch(*batches[1], seq=1)
+    assert trainer.step == 1 and set(seen) == set(want)
+    for n in want:
+        torch.testing.assert_close(seen[n], want[n], rtol=1e-4, atol=1e-7)
