@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # with an NVIDIA driver present take the CUDA build.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: install test test-fast bench demo lint clean
+.PHONY: install test test-fast bench gpu-check demo lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test-fast: install
 
 bench: install
 	$(PY) -m bench.all
+
+gpu-check: install   # one GPU, under 8 minutes: CUDA tests, an 8B-shaped pipeline, docs/gpu.md (see that file)
+	$(PY) -m bench.gpu_check
 
 demo: install
 	./launch.sh
