@@ -26,7 +26,8 @@ from consumer.kernels import weighted_ce
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import attention_masks, build_draft_batch
-from consumer.target_parts import TargetParts, resolve_mask_token_id
+from consumer.mask_token import resolve_mask_token_id
+from consumer.target_parts import TargetParts
 
 log = logging.getLogger(__name__)
 

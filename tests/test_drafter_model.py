@@ -11,7 +11,8 @@ from test_drafter_common import TINY, tiny_target
 
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import build_draft_batch, dense_mask
-from consumer.target_parts import load_target_parts, resolve_mask_token_id
+from consumer.mask_token import resolve_mask_token_id
+from consumer.target_parts import load_target_parts
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +69,39 @@ def test_target_parts_errors_name_the_place(tmp_path):
         load_target_parts(tmp_path / "cfg_bad")
 
 
+def save_tokenizer(path, words: int, special: list[str], mask: str | None = None):
+    """A word-level tokenizer of `words` ids plus the given added special tokens, saved like a download."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0")),
+        bos_token="w1",
+        eos_token="w2",
+    )
+    tok.add_special_tokens({"additional_special_tokens": special, **({"mask_token": mask} if mask else {})})
+    tok.save_pretrained(path)
+    return tok
+
+
 def test_mask_token_id_resolution(tmp_path):
     assert resolve_mask_token_id(tmp_path, 512, None) == 511  # no tokenizer: the last row
     assert resolve_mask_token_id(tmp_path, 512, 7) == 7
     with pytest.raises(ValueError, match="outside the target's embedding"):
         resolve_mask_token_id(tmp_path, 512, 512)
+    # Llama-3-like: the tokenizer fills the embedding; a reserved special token (not the first added one)
+    save_tokenizer(tmp_path / "full", 10, ["<|begin_of_text|>", "<|reserved_special_token_0|>", "<unused0>"])
+    assert resolve_mask_token_id(tmp_path / "full", 13, None) == 11
+    # Qwen3-like: the embedding has rows past the tokenizer's last id: the first spare row
+    assert resolve_mask_token_id(tmp_path / "full", 20, None) == 13
+    save_tokenizer(tmp_path / "gemma", 10, ["<start_of_turn>", "<unused0>", "<unused1>"])
+    assert resolve_mask_token_id(tmp_path / "gemma", 13, None) == 11
+    masked = save_tokenizer(tmp_path / "masked", 10, ["<x>"], mask="<mask>")
+    mask_id = masked.convert_tokens_to_ids("<mask>")
+    assert resolve_mask_token_id(tmp_path / "masked", 20, None) == mask_id < len(masked)  # its own, not a spare row
+    save_tokenizer(tmp_path / "none", 10, ["<|im_start|>"])
+    with pytest.raises(ValueError, match=r"uses every row.*set mask_token_id"):
+        resolve_mask_token_id(tmp_path / "none", 11, None)
 
 
 ARCH = DrafterArch(64, 4, 2, 16, 128, 2, 3, 1e-6, 10000.0)
