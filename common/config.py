@@ -39,7 +39,8 @@ class TargetConfig(_Section):
     path: str  # local Hugging Face model directory (config.json, weights, tokenizer)
     dtype: DType = "bfloat16"
     device: str = "cpu"
-    attn_implementation: Literal["eager", "sdpa", "flex_attention"] = "sdpa"
+    # auto: flex_attention on CUDA where the model supports it (block mask, no dense [T, T]), else sdpa, else eager
+    attn_implementation: Literal["auto", "eager", "sdpa", "flex_attention"] = "auto"
     num_features: Annotated[int, Field(ge=1, le=64)] = 5
     layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # overrides the DFlash formula
 

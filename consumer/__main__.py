@@ -23,7 +23,7 @@ from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_che
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
 from consumer.stream import BatchStream
-from consumer.target_parts import load_target_parts
+from consumer.target_parts import TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
 
 log = logging.getLogger("consumer")
@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None,
         interval: float, name: str, trace_path: str | None, stop: StopSignal, launch_id: str) -> int:
-    parts = load_target_parts(job.target.path)
+    try:
+        parts = load_target_parts(job.target.path)
+    except TargetPartsError as err:
+        log.error("%s", err)
+        return 2
     layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof)
     ckpt_root = job.run_paths.checkpoints(cfg.name)

@@ -1,21 +1,36 @@
 """The few pieces of the frozen target a drafter needs, read without loading the target.
 
-A drafter borrows the target's per-layer dims, its RoPE base, and two frozen matrices: the
-token embedding (block inputs) and the lm_head (drafter logits). Both are read straight from
-the safetensors file(s), tensor by tensor, so an 8B target costs two [V, H] reads, not 16 GB.
+A drafter borrows the target's per-layer dims and two frozen matrices: the token embedding (block inputs) and
+the LM head (drafter logits). The dims come from the TEXT config (`config.get_text_config()`: a multimodal
+wrapper such as Qwen3.6-27B's `Qwen3_5ForConditionalGeneration` keeps them under `text_config`). The two
+tensors are found through the model's own structure, not a table of key names: transformers' causal-LM class
+for that text config is built on the meta device (no memory), `get_input_embeddings()` /
+`get_output_embeddings()` name the parameters, and the library's checkpoint key mapping (e.g.
+`model.language_model.embed_tokens.weight` → `model.embed_tokens.weight`) says which stored tensor becomes
+which. A tied LM head is the embedding itself. Both are read from the safetensors file(s) tensor by tensor, so
+a 27B target costs two [V, H] reads, never the vision tower or the layers.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-EMBED_KEY = "model.embed_tokens.weight"
-LM_HEAD_KEY = "lm_head.weight"
+from common.weight_files import WeightFileError, check_weight_files, safetensors_files
+
+
+class TargetPartsError(RuntimeError):
+    """The target directory cannot give the drafter its parts; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)
@@ -25,9 +40,8 @@ class TargetParts:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP width; MoE targets: moe_intermediate_size × experts per token
     rms_norm_eps: float
-    rope_theta: float
     vocab_size: int
     num_hidden_layers: int
     max_position_embeddings: int
@@ -36,98 +50,142 @@ class TargetParts:
     lm_head: torch.Tensor  # [V, H], frozen (the embedding itself when tied)
 
 
-def _read_config(path: Path) -> dict:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"target directory {path}: no config.json (is this a Hugging Face model dir?)"
-        )
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{cfg_file}: not valid JSON: {err}") from None
-
-
-def _rope_theta(cfg: dict, cfg_file: Path) -> float:
-    """transformers 5 keeps the base in rope_parameters; older configs in rope_theta + rope_scaling."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"{cfg_file}: rope type {rope_type!r} is not supported (the drafter uses default RoPE)"
-        )
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
-        raise ValueError(f"{cfg_file}: neither rope_parameters.rope_theta nor rope_theta is set")
-    return float(theta)
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Map each wanted key to the safetensors file holding it."""
-    single = path / "model.safetensors"
-    if single.is_file():
-        return {EMBED_KEY: single, LM_HEAD_KEY: single}
-    index_file = path / "model.safetensors.index.json"
-    if not index_file.is_file():
-        raise FileNotFoundError(
-            f"target directory {path}: neither model.safetensors nor model.safetensors.index.json exists"
-        )
-    try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as err:
-        raise ValueError(f"{index_file}: not a safetensors index (missing weight_map?): {err}") from None
-    return {key: path / name for key, name in weight_map.items() if key in (EMBED_KEY, LM_HEAD_KEY)}
-
-
-def _read_tensor(files: dict[str, Path], key: str, path: Path) -> torch.Tensor:
-    if key not in files:
-        raise KeyError(f"target directory {path}: no tensor {key!r} in its safetensors file(s)")
-    file = files[key]
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: listed in the safetensors index for {key!r} but missing")
-    with safe_open(str(file), framework="pt") as f:
-        if key not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-            raise KeyError(f"{file}: no tensor {key!r}")
-        return f.get_tensor(key)
-
-
 def load_target_parts(path: str | Path, dtype: torch.dtype | None = None) -> TargetParts:
-    """Config fields + frozen embedding and lm_head of the target at `path` (cast to `dtype` if given)."""
+    """Text-config dims + frozen embedding and LM head of the target at `path` (cast to `dtype` if given)."""
     path = Path(path)
-    cfg = _read_config(path)
-    cfg_file = path / "config.json"
-    try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        fields = dict(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            vocab_size=int(cfg["vocab_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as err:
-        raise KeyError(f"{cfg_file}: required field {err.args[0]!r} is missing") from None
-    files = _weight_files(path)
-    embed = _read_tensor(files, EMBED_KEY, path)
-    lm_head = embed if fields["tie_word_embeddings"] else _read_tensor(files, LM_HEAD_KEY, path)
-    for key, t in ((EMBED_KEY, embed), (LM_HEAD_KEY, lm_head)):
-        if tuple(t.shape) != (fields["vocab_size"], hidden):
-            raise ValueError(
-                f"target directory {path}: {key} has shape {tuple(t.shape)},"
-                f" expected [vocab_size, hidden_size] = [{fields['vocab_size']}, {hidden}]"
+    config = _read_config(path)
+    text = config.get_text_config()
+    model = _meta_model(config, text, path)  # first: an unsupported architecture is named as such
+    fields = _dims(text, path / "config.json")
+    embed_name = _param_name(model, model.get_input_embeddings(), "input embedding")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise TargetPartsError(f"{path}: {type(model).__name__} has no output embedding (LM head)")
+    tied = head.weight is model.get_input_embeddings().weight
+    stored = _stored_keys(path, model)  # model parameter name -> (file, checkpoint key)
+    embed = _read_tensor(stored, embed_name, path)
+    lm_head = embed if tied else _read_tensor(stored, _param_name(model, head, "LM head"), path)
+    hidden, vocab = fields["hidden_size"], fields["vocab_size"]
+    for what, t in (("embedding", embed), ("LM head", lm_head)):
+        if tuple(t.shape) != (vocab, hidden):
+            raise TargetPartsError(
+                f"{path}: the {what} has shape {tuple(t.shape)}, expected [vocab_size, hidden_size] = [{vocab}, {hidden}]"
             )
     if dtype is not None:
         embed = embed.to(dtype)
-        lm_head = embed if fields["tie_word_embeddings"] else lm_head.to(dtype)
-    return TargetParts(
-        path=path, rope_theta=_rope_theta(cfg, cfg_file), embed_tokens=embed, lm_head=lm_head, **fields
+        lm_head = embed if tied else lm_head.to(dtype)
+    return TargetParts(path=path, tie_word_embeddings=tied, embed_tokens=embed, lm_head=lm_head, **fields)
+
+
+def _read_config(path: Path) -> PretrainedConfig:
+    if not path.is_dir():
+        raise TargetPartsError(f"{path}: target model directory does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise TargetPartsError(f"{path}: no config.json in the target directory (is this a Hugging Face model dir?)")
+    try:
+        json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TargetPartsError(f"{cfg_file}: not valid JSON: {err}") from None
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetPartsError(f"{cfg_file}: not a usable model config: {err}") from None
+
+
+def _dims(text: PretrainedConfig, cfg_file: Path) -> dict:
+    def need(name: str):
+        value = getattr(text, name, None)
+        if value is None:
+            raise TargetPartsError(f"{cfg_file}: {type(text).__name__} has no {name}; the drafter needs it")
+        return value
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    width = getattr(text, "intermediate_size", None)
+    if width is None and getattr(text, "moe_intermediate_size", None):  # MoE-only targets (Qwen3.5-MoE)
+        width = int(text.moe_intermediate_size) * int(getattr(text, "num_experts_per_tok", 1))
+    if width is None:
+        raise TargetPartsError(f"{cfg_file}: {type(text).__name__} has no intermediate_size (nor a MoE width)")
+    return dict(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+        intermediate_size=int(width),
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
+        vocab_size=int(need("vocab_size")),
+        num_hidden_layers=int(need("num_hidden_layers")),
+        max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 32768),
     )
+
+
+def _meta_model(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> nn.Module:
+    """transformers' causal-LM class for the text config, one layer deep, on the meta device (names only)."""
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+    except KeyError:
+        arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise TargetPartsError(
+            f"{path}: unsupported target architecture {arch}: transformers has no causal-LM class for its text"
+            f" config {type(text).__name__} (model_type {text.model_type!r}), which names the embedding and LM head"
+        ) from None
+    small = copy.deepcopy(text)
+    small.num_hidden_layers = 1
+    if getattr(small, "layer_types", None):
+        small.layer_types = small.layer_types[:1]
+    with torch.device("meta"):
+        return cls(small)
+
+
+def _param_name(model: nn.Module, module: nn.Module, what: str) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return f"{name}.weight"
+    raise TargetPartsError(f"{type(model).__name__}: its {what} is not one of its modules")
+
+
+def _stored_keys(path: Path, model: nn.Module) -> dict[str, tuple[Path, str]]:
+    """Each model parameter name → (safetensors file, checkpoint key), through the library's key mapping."""
+    try:
+        check_weight_files(path)
+        files = safetensors_files(path)
+    except WeightFileError as err:
+        raise TargetPartsError(str(err)) from None
+    if not files:
+        raise TargetPartsError(
+            f"{path}: neither model.safetensors nor model.safetensors.index.json exists in the target directory"
+        )
+    by_key = {key: file for file in files for key in _keys(file)}
+    mapping = get_model_conversion_mapping(model, None, None)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stored: dict[str, tuple[Path, str]] = {}
+    for key, file in by_key.items():
+        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, params)
+        stored.setdefault(name, (file, key))
+    return stored
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise TargetPartsError(f"{file}: not a readable safetensors file: {err}") from None
+
+
+def _read_tensor(stored: dict[str, tuple[Path, str]], name: str, path: Path) -> torch.Tensor:
+    if name not in stored:
+        raise TargetPartsError(f"{path}: no stored tensor maps to {name!r} in its safetensors file(s)")
+    file, key = stored[name]
+    if not file.is_file():
+        raise TargetPartsError(f"{file}: listed in the safetensors index for {key!r} but missing")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(key)
+    except (SafetensorError, OSError) as err:
+        raise TargetPartsError(f"{file}: cannot read tensor {key!r} (truncated or corrupt file?): {err}") from None
 
 
 def resolve_mask_token_id(path: str | Path, vocab_size: int, configured: int | None) -> int:

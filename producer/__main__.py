@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
     prof = ProfileStats() if interval > 0 else None
+    target.prof = prof  # counts the batches that run one forward per sequence
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", "producer", interval, prof) if prof else None
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),

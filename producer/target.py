@@ -1,12 +1,12 @@
 """The frozen target: load a local HF causal LM and capture the hidden states the drafter is conditioned on.
 
 Loading. Any decoder-only causal LM transformers knows, including multimodal wrappers: the decoder is the
-class transformers maps the checkpoint's TEXT config to (`config.get_text_config()` →
-MODEL_FOR_CAUSAL_LM_MAPPING), so a `Qwen3_5ForConditionalGeneration` checkpoint (Qwen3.6-27B) loads as
-`Qwen3_5ForCausalLM`, the library's own key mapping renames `model.language_model.*` and the vision tower's
-tensors are never materialised (from_pretrained reads only the tensors the model has). The text config is cut
-to `max(layer_ids) + 1` layers before loading, so later layers are never read either; the LM head and the
-final norm are dropped (the norm is kept only when the last layer itself is captured, since HF's
+base model class of the checkpoint's TEXT config (`config.get_text_config()`, which must have a causal-LM class
+in MODEL_FOR_CAUSAL_LM_MAPPING; its base model from MODEL_MAPPING), so a `Qwen3_5ForConditionalGeneration`
+checkpoint (Qwen3.6-27B) loads as `Qwen3_5TextModel`, the library's own key mapping renames
+`model.language_model.*`, and from_pretrained materialises only the tensors the model has: never the vision
+tower, never the LM head. The text config is cut to `max(layer_ids) + 1` layers before loading, so later layers
+are never read either; the final norm is dropped (kept only when the last layer itself is captured, since HF's
 hidden_states[N] is normed). The forward is the model's own, so rotary embeddings, attention kernels and layer
 internals stay exactly the library's; forward hooks on the captured layers copy each output into its column
 block of the feature buffer.
@@ -43,18 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.masking_utils import (
     create_causal_mask,
     create_chunked_causal_mask,
     create_sliding_window_causal_mask,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
 from common.config import dflash_layer_ids
 from common.profile import ProfileStats
+from common.weight_files import WeightFileError, check_weight_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the library's mask builder for each attention layer kind ("layer_masks" packing)
@@ -335,7 +336,7 @@ def load_target(
     path = Path(path)
     config = _read_config(path)
     text = copy.deepcopy(config.get_text_config())
-    model_cls = _causal_lm_class(config, text, path)
+    model_cls = _decoder_class(config, text, path)
     n_layers = getattr(text, "num_hidden_layers", None)
     if not isinstance(n_layers, int):
         raise TargetLoadError(
@@ -356,13 +357,16 @@ def load_target(
     if getattr(text, "layer_types", None):
         text.layer_types = text.layer_types[:keep]
     attn = choose_attn_implementation(model_cls, attn_implementation, device)
-    check_weight_files(path)
+    try:
+        check_weight_files(path)
+    except WeightFileError as err:
+        raise TargetLoadError(str(err)) from None
     # The skipped layers' weights are "unexpected" by design; the report about them is silenced and any
     # missing weight is turned into an error instead (a random layer would silently corrupt the features).
     report_logger = logging.getLogger("transformers.modeling_utils")
     report_logger.addFilter(_errors_only)
     try:
-        full, info = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModel.from_pretrained(  # the base decoder: the LM head is never read
             path,
             config=text,
             local_files_only=True,
@@ -374,13 +378,11 @@ def load_target(
         raise TargetLoadError(f"{path}: cannot load the target's weights ({_weights_present(path)}): {err}") from err
     finally:
         report_logger.removeFilter(_errors_only)
-    missing = sorted(k for k in info["missing_keys"] if not k.startswith("lm_head"))
-    if missing:
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
         raise TargetLoadError(
             f"{path}: the weight files lack {len(missing)} tensor(s) the target needs: {missing[:5]}"
         )
-    model = full.get_decoder()
-    del full  # drops the LM head
     if keep < n_layers and hasattr(model, "norm"):
         model.norm = nn.Identity()  # the final norm only feeds the LM head
     if not hasattr(model, "layers") or len(model.layers) != keep:
@@ -389,60 +391,16 @@ def load_target(
     return TargetCapture(model, model.config, ids, n_layers)
 
 
-def _causal_lm_class(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> type:
-    """transformers' causal-LM class for the text config; a clear error naming the architecture when none."""
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
-    except KeyError:
+def _decoder_class(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> type:
+    """The base decoder class of a causal LM's text config; a clear error naming the architecture when none."""
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING or type(text) not in MODEL_MAPPING:
         arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         raise TargetLoadError(
             f"{path}: unsupported target architecture {arch} (model_type {config.model_type!r}): transformers"
             f" has no causal-LM class for its text config {type(text).__name__} (model_type"
-            f" {text.model_type!r}), and the producer runs the text decoder through that class"
-        ) from None
-
-
-def check_weight_files(path: Path) -> None:
-    """Every safetensors file the target lists opens and holds the bytes its header promises (names the file)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise TargetLoadError(f"{index}: not a safetensors index (a JSON object with weight_map): {err}") from None
-        files = [path / n for n in names]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    for file in files:
-        check_safetensors_file(file)
-
-
-def check_safetensors_file(file: Path) -> None:
-    """Read `file`'s header and compare the bytes it declares with the file's size (a truncated download)."""
-    if not file.is_file():
-        raise TargetLoadError(f"{file}: listed in the safetensors index but missing")
-    size = file.stat().st_size
-    with file.open("rb") as fh:
-        header_len = int.from_bytes(fh.read(8), "little")
-        if size < 8 or header_len > size - 8:
-            raise TargetLoadError(
-                f"{file}: truncated or not a safetensors file ({size} bytes; its first 8 bytes announce a"
-                f" {header_len}-byte header)"
-            )
-        try:
-            header = json.loads(fh.read(header_len))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-            raise TargetLoadError(f"{file}: corrupt safetensors header (not a JSON tensor table: {err})") from None
-    if 8 + header_len + end != size:
-        raise TargetLoadError(
-            f"{file}: truncated or corrupt: its header declares {8 + header_len + end} bytes, the file has {size}"
+            f" {text.model_type!r}), and the producer runs the text decoder of a causal LM"
         )
-    try:
-        with safe_open(str(file), framework="pt"):
-            pass
-    except (SafetensorError, OSError) as err:
-        raise TargetLoadError(f"{file}: not a readable safetensors file: {err}") from None
+    return MODEL_MAPPING[type(text)]
 
 
 def _weights_present(path: Path) -> str:

@@ -8,7 +8,7 @@ sinks (gpt-oss), Gated DeltaNet linear attention (qwen3_next, qwen3_5), llama3 R
 RoPE (gemma3), and the Qwen3.6-27B multimodal wrapper (`Qwen3_5ForConditionalGeneration`: text decoder under
 `model.language_model.`, a vision tower under `model.visual.`).
 
-Stable API (the drafter matrix builds on it): ARCHS, EXAMPLES, SLIDING_WINDOW, VOCAB_SIZE, MASK_ID, EOS_ID,
+Stable API (the drafter matrix builds on it): ARCHS (packed), FALLBACK_ARCHS (per-sequence), EXAMPLES, SLIDING_WINDOW, VOCAB_SIZE, MASK_ID, EOS_ID,
 build_target(arch, out_dir, *, seed=0, num_layers=None), build_tokenizer(out_dir=None), text_config(arch).
 """
 
@@ -25,6 +25,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    Lfm2Config,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -67,6 +68,7 @@ EXAMPLES: dict[str, str] = {
     "qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B",
     "deepseek_v3": "deepseek-ai/DeepSeek-V3",
     "glm4_moe": "zai-org/GLM-4.5-Air",
+    "lfm2": "LiquidAI/LFM2-1.2B",
 }
 
 _COMMON = dict(
@@ -142,7 +144,9 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
         Qwen3NextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32, decoder_sparse_step=1
     ),
     "qwen3_5_text": _cfg(Qwen3_5TextConfig, **_LINEAR),
-    "qwen3_5_moe": _cfg(Qwen3_5MoeTextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32),
+    "qwen3_5_moe": _cfg(  # MoE-only like the published config: no dense intermediate_size
+        Qwen3_5MoeTextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32, intermediate_size=_DERIVED
+    ),
     "deepseek_v3": _cfg(
         DeepseekV3Config,
         head_dim=_DERIVED,
@@ -170,9 +174,12 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
         use_qk_norm=True,
         partial_rotary_factor=0.5,
     ),
+    # short-convolution layers with no packed path: the producer runs it one forward per sequence
+    "lfm2": _cfg(Lfm2Config, head_dim=_DERIVED, layer_types=["conv", "full_attention", "conv"]),
 }
 
-ARCHS: list[str] = [*_CONFIGS, "qwen3_5_vl"]
+FALLBACK_ARCHS: list[str] = ["lfm2"]  # supported through the per-sequence fallback only
+ARCHS: list[str] = [*(a for a in _CONFIGS if a not in FALLBACK_ARCHS), "qwen3_5_vl"]
 
 
 def text_config(arch: str, num_layers: int | None = None) -> PretrainedConfig:

@@ -12,7 +12,7 @@ from test_drafter_common import TINY, tiny_target
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import build_draft_batch, dense_mask
 from consumer.mask_token import resolve_mask_token_id
-from consumer.target_parts import load_target_parts
+from consumer.target_parts import TargetPartsError, load_target_parts
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,7 @@ def test_target_parts_reads_config_and_frozen_tensors(target):
         16,
     )
     assert (parts.intermediate_size, parts.vocab_size, parts.num_hidden_layers) == (128, 512, 6)
-    assert (
-        parts.max_position_embeddings == 256
-        and parts.rope_theta == model.config.rope_parameters["rope_theta"]
-    )
+    assert parts.max_position_embeddings == 256
     assert parts.rms_norm_eps == model.config.rms_norm_eps
     assert torch.equal(parts.embed_tokens, model.model.embed_tokens.weight)
     assert torch.equal(parts.lm_head, model.lm_head.weight)
@@ -55,17 +52,17 @@ def test_target_parts_tied_and_sharded(tmp_path):
 
 
 def test_target_parts_errors_name_the_place(tmp_path):
-    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
+    with pytest.raises(TargetPartsError, match=re.escape(str(tmp_path / "nowhere"))):
         load_target_parts(tmp_path / "nowhere")
     (tmp_path / "cfg_only").mkdir()
-    (tmp_path / "cfg_only" / "config.json").write_text(json.dumps({**TINY, "rope_theta": 1e4}))
+    (tmp_path / "cfg_only" / "config.json").write_text(json.dumps({**TINY, "model_type": "qwen3"}))
     with pytest.raises(
-        FileNotFoundError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"
+        TargetPartsError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"
     ):
         load_target_parts(tmp_path / "cfg_only")
     (tmp_path / "cfg_bad").mkdir()
     (tmp_path / "cfg_bad" / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    with pytest.raises(KeyError, match="num_attention_heads"):
+    with pytest.raises(TargetPartsError, match=r"cfg_bad/config\.json: not a usable model config"):
         load_target_parts(tmp_path / "cfg_bad")
 
 

@@ -1,0 +1,272 @@
+"""Every target family (tests/target_zoo.py): it loads, a packed batch equals each sequence run alone, and the
+drafter's target parts are the model's own embedding and LM head. Plus the per-sequence fallback, the leak
+probe, the attention-implementation choice, and bad target files reported by the real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+import transformers
+from jobs import write_job
+from target_zoo import ARCHS, FALLBACK_ARCHS, SLIDING_WINDOW, VOCAB_SIZE, build_target
+from transformers import AutoModelForCausalLM
+
+from common.profile import ProfileStats
+from consumer.target_parts import TargetPartsError, load_target_parts
+from producer.target import PaddedBatchMixer, TargetLoadError, choose_attn_implementation, load_target
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = [5, 17, 1, 30, 12]  # 30 and 17 > SLIDING_WINDOW: a window leak or a lost window would show
+assert max(LENGTHS) > SLIDING_WINDOW
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    return {arch: build_target(arch, root / arch) for arch in ARCHS + FALLBACK_ARCHS}
+
+
+def packed_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB_SIZE, (sum(LENGTHS),), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+
+
+def alone(full_model, ids: torch.Tensor, cu: torch.Tensor, layer_ids: list[int]) -> list[torch.Tensor]:
+    """HF's own hidden_states[i + 1] for each sequence run by itself."""
+    refs = []
+    with torch.no_grad():
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            hs = full_model(ids[s:e][None], use_cache=False, output_hidden_states=True).hidden_states
+            refs.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
+    return refs
+
+
+def max_diff_to_alone(cap, full_model, ids, cu) -> float:
+    feats = cap(ids, cu)
+    refs = alone(full_model, ids, cu, cap.layer_ids)
+    return max((feats[s:e] - r).abs().max().item() for s, e, r in zip(cu[:-1], cu[1:], refs, strict=True))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_batch_equals_each_sequence_alone(zoo, arch):
+    full = AutoModelForCausalLM.from_pretrained(zoo[arch], local_files_only=True, dtype=torch.float32).eval()
+    n = full.config.get_text_config().num_hidden_layers
+    every = list(range(n))  # every layer, the last (final-normed) one included
+    cap = load_target(zoo[arch], layer_ids=every, dtype="float32")
+    assert cap.packed, cap.per_sequence_reason
+    assert cap.layers_run == n and cap.feature_width == n * 64
+    ids, cu = packed_batch()
+    assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
+    assert cap.per_sequence_batches == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_target_parts_are_the_models_own(zoo, arch):
+    full = AutoModelForCausalLM.from_pretrained(zoo[arch], local_files_only=True, dtype=torch.float32)
+    text = full.config.get_text_config()
+    parts = load_target_parts(zoo[arch])
+    assert (parts.vocab_size, parts.hidden_size, parts.num_hidden_layers) == (
+        VOCAB_SIZE, text.hidden_size, text.num_hidden_layers
+    )
+    assert parts.num_attention_heads == text.num_attention_heads
+    assert parts.embed_tokens.shape == parts.lm_head.shape == (VOCAB_SIZE, text.hidden_size)
+    assert torch.equal(parts.embed_tokens, full.get_input_embeddings().weight)
+    assert torch.equal(parts.lm_head, full.get_output_embeddings().weight)
+    tied = full.get_output_embeddings().weight is full.get_input_embeddings().weight
+    assert parts.tie_word_embeddings == tied and (parts.lm_head is parts.embed_tokens) == tied
+
+
+def test_the_multimodal_wrapper_is_the_qwen36_form(zoo):
+    cfg = json.loads((zoo["qwen3_5_vl"] / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "text_config" in cfg
+    with safetensors.safe_open(str(zoo["qwen3_5_vl"] / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert "model.language_model.embed_tokens.weight" in keys and any(k.startswith("model.visual.") for k in keys)
+    wrapper = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(zoo["qwen3_5_vl"], dtype=torch.float32)
+    parts = load_target_parts(zoo["qwen3_5_vl"])
+    assert torch.equal(parts.embed_tokens, wrapper.get_input_embeddings().weight)
+    assert torch.equal(parts.lm_head, wrapper.get_output_embeddings().weight)
+
+
+class ReadSpy:
+    """Wraps safetensors.safe_open and records the key of every tensor whose bytes are read."""
+
+    def __init__(self, real):
+        self.real, self.read = real, []
+
+    def __call__(self, *args, **kwargs):
+        return _SpyFile(self.real(*args, **kwargs), self.read)
+
+
+class _SpyFile:
+    def __init__(self, f, read):
+        self.f, self.read = f, read
+
+    def __enter__(self):
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def get_tensor(self, key):
+        self.read.append(key)
+        return self.f.get_tensor(key)
+
+    def get_slice(self, key):
+        return _SpySlice(self.f.get_slice(key), key, self.read)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+class _SpySlice:
+    def __init__(self, s, key, read):
+        self.s, self.key, self.read = s, key, read
+
+    def __getitem__(self, idx):
+        self.read.append(self.key)
+        return self.s[idx]
+
+    def __getattr__(self, name):
+        return getattr(self.s, name)
+
+
+def test_vision_tower_and_cut_layers_are_never_read(zoo, monkeypatch):
+    producer_spy = ReadSpy(transformers.modeling_utils.safe_open)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_open", producer_spy)
+    cap = load_target(zoo["qwen3_5_vl"], layer_ids=[0, 1], dtype="float32")
+    assert type(cap.model).__name__ == "Qwen3_5TextModel" and cap.layers_run == 2
+    assert producer_spy.read, "the spy saw no reads: it no longer wraps what from_pretrained uses"
+    assert not [k for k in producer_spy.read if "visual" in k or ".layers.2." in k or ".layers.3." in k]
+    assert "lm_head.weight" not in producer_spy.read and "model.language_model.layers.1.mlp.up_proj.weight" in producer_spy.read
+    import consumer.target_parts as target_parts
+
+    parts_spy = ReadSpy(target_parts.safe_open)
+    monkeypatch.setattr(target_parts, "safe_open", parts_spy)
+    load_target_parts(zoo["qwen3_5_vl"])
+    assert sorted(parts_spy.read) == ["lm_head.weight", "model.language_model.embed_tokens.weight"]
+
+
+def test_attention_sinks_and_hybrid_layers_pack_their_own_way(zoo):
+    gpt_oss = load_target(zoo["gpt_oss"], num_features=2, dtype="float32")
+    # gpt-oss: sdpa is not supported (sinks), and its model does not hand position ids to its mask builders
+    assert (gpt_oss.attn_implementation, gpt_oss.packing) == ("eager", "layer_masks")
+    hybrid = load_target(zoo["qwen3_next"], num_features=2, dtype="float32")
+    assert hybrid.packing == "position_ids"
+    wrapped = [m for m in hybrid.model.modules() if isinstance(m, PaddedBatchMixer)]
+    assert len(wrapped) == 3  # the three Gated DeltaNet layers of four
+
+
+def test_a_leak_is_caught_by_the_probe_and_the_batch_runs_per_sequence(zoo, monkeypatch):
+    """Without the padded-batch wrapper, Gated DeltaNet state would cross sequences: the probe must notice."""
+    monkeypatch.setattr(PaddedBatchMixer, "forward", lambda self, hidden_states, *a, **k: self.inner(hidden_states))
+    cap = load_target(zoo["qwen3_5_text"], layer_ids=[0, 1, 2, 3], dtype="float32")
+    assert not cap.packed and "changed another's features" in cap.per_sequence_reason
+    full = AutoModelForCausalLM.from_pretrained(zoo["qwen3_5_text"], dtype=torch.float32).eval()
+    ids, cu = packed_batch(1)
+    assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
+
+
+def test_a_layer_kind_with_no_packed_path_falls_back_counted_and_exact(zoo, caplog):
+    with caplog.at_level("WARNING", logger="producer.target"):
+        cap = load_target(zoo["lfm2"], layer_ids=[0, 1, 2], dtype="float32")
+    assert cap.packing == "per_sequence" and "['conv'] have no packed path" in cap.per_sequence_reason
+    assert sum("one forward per sequence" in r.message for r in caplog.records) == 1  # logged once, at load
+    cap.prof = ProfileStats()
+    full = AutoModelForCausalLM.from_pretrained(zoo["lfm2"], dtype=torch.float32).eval()
+    ids, cu = packed_batch(2)
+    assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
+    cap(ids[:9], torch.tensor([0, 9]))  # a single sequence is no fallback
+    assert cap.per_sequence_batches == 1
+    assert cap.prof.snapshot()["counters"]["target_per_sequence_batches"] == 1
+
+
+def test_attention_implementation_choice():
+    llama, qwen35, gpt_oss = (
+        transformers.LlamaForCausalLM, transformers.Qwen3_5ForCausalLM, transformers.GptOssForCausalLM
+    )
+    assert choose_attn_implementation(llama, "auto", "cuda:0") == "flex_attention"  # no dense [T, T] mask
+    assert choose_attn_implementation(qwen35, "auto", "cuda") == "sdpa"  # no flex support in transformers
+    assert choose_attn_implementation(gpt_oss, "auto", "cuda") == "flex_attention"
+    assert choose_attn_implementation(llama, "auto", "cpu") == "sdpa"
+    assert choose_attn_implementation(gpt_oss, "auto", "cpu") == "eager"
+    assert choose_attn_implementation(llama, "eager", "cuda") == "eager"
+    with pytest.raises(TargetLoadError, match=r"GptOssForCausalLM does not support attn_implementation 'sdpa'"):
+        choose_attn_implementation(gpt_oss, "sdpa", "cpu")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(TargetLoadError, match=r"unsupported target architecture .*no causal-LM class.*ViTConfig"):
+        load_target(tmp_path)
+    with pytest.raises(TargetPartsError, match=r"unsupported target architecture .*no causal-LM class.*ViTConfig"):
+        load_target_parts(tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "mistral_sliding", "gpt_oss", "qwen3_5_vl"])
+def test_cuda_default_attention_is_packed_aware_and_exact(zoo, arch):
+    gpu = load_target(zoo[arch], num_features=3, dtype="float32", device="cuda")
+    expected = "sdpa" if arch == "qwen3_5_vl" else "flex_attention"
+    assert gpu.attn_implementation == expected and gpu.packed
+    cpu = load_target(zoo[arch], num_features=3, dtype="float32")
+    ids, cu = packed_batch(3)
+    torch.testing.assert_close(gpu(ids, cu).cpu(), cpu(ids, cu), rtol=1e-4, atol=1e-4)
+
+
+# ---- bad target files, reported by the real processes ---------------------------------------------------------
+
+
+def broken_targets(good: Path, root: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (target dir, what the error must say), each a copy of `good` with one fault."""
+    cases = {}
+    cases["missing"] = (root / "absent", r"/absent: target model directory does not exist")
+    data = (good / "model.safetensors").read_bytes()
+    for name, content, says in (
+        ("truncated", data[: len(data) // 2], r"truncated/model.safetensors: truncated"),
+        ("corrupt", data[:8] + b"\xff" * (len(data) - 8), r"corrupt/model.safetensors: corrupt safetensors header"),
+    ):
+        shutil.copytree(good, root / name)
+        (root / name / "model.safetensors").write_bytes(content)
+        cases[name] = (root / name, says)
+    shutil.copytree(good, root / "badjson")
+    (root / "badjson" / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ')
+    cases["badjson"] = (root / "badjson", r"badjson/config.json: not valid JSON")
+    return cases
+
+
+def run_role(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.mark.slow
+def test_bad_target_files_are_named_by_producer_and_consumer_without_traceback(zoo, tmp_path):
+    """Issue 14 item 6: one clear line naming the file and the fault, exit 2, no Python traceback."""
+    good = zoo["qwen3"]
+    failures = []
+    for name, (target, says) in broken_targets(good, tmp_path).items():
+        assets = tmp_path / f"assets-{name}"
+        assets.mkdir()
+        (assets / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+        job = write_job(assets, name=f"bad{name}")
+        job.write_text(job.read_text().replace(str(assets / "target"), str(target)))
+        for role in (["producer", "--job", str(job)], ["consumer", "--job", str(job), "--drafter", "d0"]):
+            proc = run_role(role)
+            if proc.returncode != 2 or "Traceback" in proc.stderr or not re.search(says, proc.stderr):
+                failures.append(f"{name} {role[0]}: rc {proc.returncode}\n{proc.stderr[-1500:]}")
+        shutil.rmtree(job.parent, ignore_errors=True)
+    assert not failures, "\n\n".join(failures)
