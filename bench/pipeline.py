@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.pipeline [--json] [--quick] [--reps N] [--batches N] [--keep]
 
 Every process has one torch thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)) and a fixed core:
-target work on the first allowed core (P), drafter work on the second (C).
+target work on the first allowed core (P), drafter work on the second (C); the serial baseline (e) alone
+gets both cores (two threads, as many as the pipeline's two processes, or one if that is faster).
 
 Shapes. Target: a random Qwen3 (hidden 256, 4 heads × 64, 2 KV heads, intermediate 768, vocab 2,048,
 12 layers on disk), fp32, sdpa, three captured layers. Data: synthetic chats (max 256 tokens) packed
@@ -19,15 +20,21 @@ Variants, all on the same batches (the plan's first --warmup batches are run but
   (c) pipeline        the producer's and consumer's entry points (`main(argv)` of producer.__main__
                       and consumer.__main__, what `python -m producer|consumer` runs) in separate
                       processes, producer on P, consumer(s) on C, over the slot ring, from a job file;
-  (d) serial          one process: target forward, then the drafter step, batch after batch, on P.
-(a), (b), (d) run in one worker (bench.pipeline_stages); (c) runs in long-lived pinned entry workers
+  (d) serial          one process: target forward, then the drafter step, batch after batch, on P
+                      with one thread;
+  (e) serial_same_cores  the same loop given what the pipeline gets, both cores: the faster (per
+                      repetition) of two torch threads and of one thread free to run on either core
+                      (on small shapes or a loaded VM a second thread often costs more than it gives).
+(a), (b), (d), (e) run in one worker (bench.pipeline_stages); (c) runs in long-lived pinned entry workers
 (bench.entry_worker), one per role, started once with it, so no run pays interpreter start-up. Each
 (c) run times every process on its own stats snapshots, over the same batches as (a), (b), (d); the
 slowest process's rate is the pipeline's (bench.pipeline_procs). Repetitions are interleaved (stages,
 then the three pipeline runs in rotated order) and every figure is a median over repetitions.
 
-Results: pipeline_efficiency = (c) ÷ min((a), (b)) (target ≥ 0.9); speedup_over_serial = (c) ÷ (d)
-(target ≥ 1.6; balanced setting); fanout_2_drafters_cost = pipeline time with two drafters ÷ with one,
+Results: pipeline_efficiency = (c) ÷ min((a), (b)) (target ≥ 0.9); speedup_over_serial_same_cores =
+(c) ÷ (e) (target ≥ 1.2; balanced setting): the pipeline against the competent single-process loop on the
+same two cores; speedup_over_serial_one_core = (c) ÷ (d), the pipeline's two cores against one (no target:
+it shows what the second core buys, not what the split into processes buys); fanout_2_drafters_cost = pipeline time with two drafters ÷ with one,
 same data, heavy_target setting (target ≤ 1.1), with the producer on P and BOTH consumers on C: three
 processes on two cores, each drafter gets half of C, which still out-runs the target on P, so the ratio
 shows whether one target forward serves both drafters at no extra cost.
@@ -61,7 +68,7 @@ CHATS_PER_BATCH = 8  # synthetic chats average ~114 tokens; packed batches are ~
 STATS_INTERVAL_S = 0.01  # below any batch time: one stats snapshot per batch
 TARGETS = {
     "pipeline_efficiency": (">=", 0.9),
-    "speedup_over_serial": (">=", 1.6),
+    "speedup_over_serial_same_cores": (">=", 1.2),
     "fanout_2_drafters_cost": ("<=", 1.1),
 }
 
@@ -135,16 +142,26 @@ def medians(per_rep: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0]}
 
 
+def best_serial_same_cores(rates: dict[str, float]) -> str:
+    """The competent serial loop on both cores: whichever thread count was faster in this repetition."""
+    return max(("serial_2_threads", "serial_1_thread_2_cores"), key=lambda k: rates[k])
+
+
 def summarise(
     stages: list[dict], runs: dict[str, list[dict]], cores: tuple[int, int], allowed: list[int]
 ) -> dict:
     """The JSON result: ratios of medians, the medians, every repetition's figures, shapes and cores."""
+    for r in stages:
+        best = best_serial_same_cores(r["tokens_per_s"])
+        for view in ("tokens_per_s", "cpu_tokens_per_s"):
+            r[view]["serial_same_cores"] = r[view][best]
     per_rep = {k: [r["tokens_per_s"][k] for r in stages] for k in stages[0]["tokens_per_s"]}
     per_rep |= {name: [r["tokens_per_s"] for r in reps] for name, reps in runs.items()}
     rate = {k: statistics.median(v) for k, v in per_rep.items()}
     ratios = {
         "pipeline_efficiency": rate["pipeline"] / min(rate["producer_alone"], rate["consumer_alone"]),
-        "speedup_over_serial": rate["pipeline"] / rate["serial"],
+        "speedup_over_serial_same_cores": rate["pipeline"] / rate["serial_same_cores"],
+        "speedup_over_serial_one_core": rate["pipeline"] / rate["serial"],
         # the same tokens in both windows: the time ratio is the inverse rate ratio
         "fanout_2_drafters_cost": rate["heavy_pipeline_1_drafter"] / rate["heavy_pipeline_2_drafters"],
     }
@@ -176,12 +193,13 @@ def summarise(
         "per_rep_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in per_rep.items()},
         "cpu_time_view": {
             "note": "tokens per CPU-second of each process (the pipeline: of its busiest core), i.e. as if"
-            " every process had its core to itself and never waited; not the targets' measure",
+            " every process had its core to itself and never waited; not the targets' measure;"
+            " serial_2_threads: per CPU-second of its two threads together",
             "tokens_per_s": {k: round(v, 1) for k, v in cpu_rate.items()},
             "pipeline_efficiency": round(
                 cpu_rate["pipeline"] / min(cpu_rate["producer_alone"], cpu_rate["consumer_alone"]), 3
             ),
-            "speedup_over_serial": round(cpu_rate["pipeline"] / cpu_rate["serial"], 3),
+            "speedup_over_serial_one_core": round(cpu_rate["pipeline"] / cpu_rate["serial"], 3),
             "fanout_2_drafters_cost": round(
                 cpu_rate["heavy_pipeline_1_drafter"] / cpu_rate["heavy_pipeline_2_drafters"], 3
             ),
@@ -209,10 +227,11 @@ def summarise(
             "target_side": cores[0],
             "drafter_side": cores[1],
             "allowed": allowed,
-            "threads_per_process": 1,
+            "threads_per_process": "1 (serial_2_threads: 2, one per core)",
             "measured_affinity": runs["heavy_pipeline_2_drafters"][-1]["affinity"],
             "plan": "producer, producer_alone, serial: target_side; consumer(s), consumer_alone:"
-            " drafter_side (both consumers share it in the 2-drafter run)",
+            " drafter_side (both consumers share it in the 2-drafter run); serial_2_threads and"
+            " serial_1_thread_2_cores: both",
         },
     }
 

@@ -12,6 +12,10 @@ Per repetition, each variant runs over batches W.. of the plan, in an order rota
   producer_alone        target forward into a reused slot-sized buffer, on core P
   consumer_alone        Trainer.train_batch on features captured at start-up (fed from memory), on core C
   serial                forward into the buffer, then train_batch on it, batch after batch, on core P
+                        with one thread (what one core does alone)
+  serial_2_threads      the same loop with the pipeline's resources: cores P and C, two torch threads
+  serial_1_thread_2_cores   the same loop on cores P and C with one thread (the OS picks the idler core;
+                        on small shapes or a loaded VM one thread beats two: bench.pipeline takes the faster)
   heavy_producer_alone, heavy_consumer_alone   the same for the heavy_target setting
 Wall time (perf_counter) gives tokens_per_s; process CPU time gives cpu_tokens_per_s, the rate with a
 core to itself, to tell the stage's cost from the other tenants' load.
@@ -20,6 +24,7 @@ core to itself, to tell the stage's cost from the other tenants' load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -60,21 +65,31 @@ def build_assets(root: Path, chats: int) -> None:
 
 
 def new_trainer(job: JobConfig, drafter: str) -> Trainer:
-    """As consumer.__main__ builds it."""
+    """As consumer.__main__ builds it, on the drafter's first device (the CPU when it names none)."""
     torch.manual_seed(job.job.seed)
     parts = load_target_parts(job.target.path)
-    trainer = Trainer(
-        job.drafter(drafter), parts, list(job.target.layer_ids), torch.device("cpu"), job_seed=job.job.seed
-    )
+    cfg = job.drafter(drafter)
+    device = torch.device(cfg.devices[0] if cfg.devices else "cpu")
+    trainer = Trainer(cfg, parts, list(job.target.layer_ids), device, job_seed=job.job.seed)
     trainer.warmup()
     return trainer
 
 
+def on_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    """The batch as a consumer holds it after copy-out: tokens on its device, cu_seqlens on the host."""
+    if device.type == "cpu":
+        return batch
+    moved = {k: getattr(batch, k).to(device) for k in ("input_ids", "loss_mask")}
+    return dataclasses.replace(batch, **moved)
+
+
 @dataclass
 class JobStages:
-    """One job's batches, its target (with a slot-sized output buffer) and two trainers."""
+    """One job's batches, its target (with a slot-sized output buffer) and two trainers; CPU or CUDA, as
+    the job's target.device and the drafter's devices say (bench.gpu_check runs it on a GPU)."""
 
     batches: list[PackedBatch]
+    drafter_batches: list[PackedBatch]  # the same, on the drafter's device
     target: TargetCapture
     buffer: torch.Tensor  # [tokens_per_batch, n·H]: stands in for the ring slot
     features: list[torch.Tensor]  # captured once, for the consumer fed from memory
@@ -89,34 +104,50 @@ class JobStages:
         reader.close()
         t = job.target
         target = load_target(t.path, t.layer_ids, t.num_features, t.dtype, t.device, t.attn_implementation)
-        buffer = torch.empty(job.data.tokens_per_batch, target.feature_width, dtype=target.dtype)
+        buffer = torch.empty(
+            job.data.tokens_per_batch, target.feature_width, dtype=target.dtype, device=target.device
+        )
+        alone, serial = new_trainer(job, "d0"), new_trainer(job, "d0")
         # cloned outside inference mode: the trainer's autograd cannot save inference tensors
-        features = [target(b.input_ids, b.cu_seqlens).clone() for b in batches]
-        return cls(batches, target, buffer, features, new_trainer(job, "d0"), new_trainer(job, "d0"))
+        features = [target(b.input_ids, b.cu_seqlens).to(alone.device).clone() for b in batches]
+        drafter_batches = [on_device(b, alone.device) for b in batches]
+        return cls(batches, drafter_batches, target, buffer, features, alone, serial)
 
     def forward(self, k: int) -> torch.Tensor:
         b = self.batches[k]
         return self.target(b.input_ids, b.cu_seqlens, out=self.buffer[: b.num_tokens])
 
     def train(self, trainer: Trainer, k: int, hidden: torch.Tensor) -> None:
-        b = self.batches[k]
+        b = self.drafter_batches[k]
         trainer.train_batch(hidden, b.input_ids, b.loss_mask, b.cu_seqlens, b.seq)
 
     def variants(self) -> dict[str, tuple[Callable[[int], object], str]]:
-        """name → (run batch k, which core: 'P' target side, 'C' drafter side)."""
+        """name → (run batch k, where: 'P' target-side core, 'C' drafter-side core, 'PC1'/'PC2' both
+        cores with one/two torch threads)."""
+        serial = lambda k: self.train(self.serial, k, self.forward(k).to(self.serial.device))  # noqa: E731
         return {
             "producer_alone": (self.forward, "P"),
             "consumer_alone": (lambda k: self.train(self.alone, k, self.features[k]), "C"),
-            "serial": (lambda k: self.train(self.serial, k, self.forward(k)), "P"),
+            "serial": (serial, "P"),
+            "serial_2_threads": (serial, "PC2"),
+            "serial_1_thread_2_cores": (serial, "PC1"),
         }
 
 
-def time_variant(run: Callable[[int], object], ks: range, core: int) -> dict[str, float]:
-    os.sched_setaffinity(0, {core})
-    wall, cpu = time.perf_counter(), time.process_time()
-    for k in ks:
-        run(k)
-    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+def time_variant(run: Callable[[int], object], ks: range, cores: set[int], threads: int = 0) -> dict[str, float]:
+    """Run batches `ks` on `cores` with `threads` torch threads (default one per core); wall and process CPU
+    seconds (on a GPU the queued work is waited for before the clocks are read, once, not per batch)."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads or len(cores))
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for k in ks:
+            run(k)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+    finally:
+        torch.set_num_threads(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     core_p, core_c = (int(c) for c in args.cores.split(","))
-    cores = {"P": core_p, "C": core_c}
+    both = {core_p, core_c}
+    where = {"P": ({core_p}, 1), "C": ({core_c}, 1), "PC1": (both, 1), "PC2": (both, len(both))}
     jobs = {name: load_job(path) for name, path in (j.split("=", 1) for j in args.jobs)}
     build_assets(args.assets, args.chats)
     settings = {name: JobStages.load(job) for name, job in jobs.items()}
@@ -141,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, s in settings.items():
         prefix = "" if name == "balanced" else "heavy_"
         variants.update(
-            {prefix + v: run for v, run in s.variants().items() if not (prefix and v == "serial")}
+            {prefix + v: run for v, run in s.variants().items() if not (prefix and v.startswith("serial"))}
         )
     n = len(settings["balanced"].batches)
     if any(len(s.batches) != n for s in settings.values()):
@@ -152,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"bench.pipeline_stages: the plan has {n} batches, no more than --warmup {args.warmup}"
         )
-    for run, core in variants.values():
-        time_variant(run, range(args.warmup), cores[core])
+    for run, place in variants.values():
+        time_variant(run, range(args.warmup), *where[place])
     timed = range(args.warmup, n)
     tokens = sum(settings["balanced"].batches[k].num_tokens for k in timed)
     answer(protocol, {"ready": True, "batches": n, "timed_tokens": tokens})
@@ -165,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         rep = int(request["rep"])
         times = {}
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            run, core = variants[name]
-            times[name] = time_variant(run, timed, cores[core])
+            run, place = variants[name]
+            times[name] = time_variant(run, timed, *where[place])
         answer(
             protocol,
             {

@@ -1,0 +1,81 @@
+"""The benchmarks' own arithmetic and plumbing on known input (their figures are not asserted: no timing)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import all as bench_all
+from bench import pipeline, scaleout, transport
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_transport_summary_ratios_floor_and_growth():
+    ms = 1e-3
+    sizes = {k: transport.SIZES[k] for k in ("1MiB", "64MiB", "256MiB")}
+    ring = {"e2e": {"1MiB": [0.5 * ms] * 3, "64MiB": [20 * ms, 21 * ms, 19 * ms], "256MiB": [80 * ms]},
+            "write": {k: [1 * ms] for k in sizes}, "copy_out": {k: [2 * ms] for k in sizes},
+            "ping": [0.1 * ms, 0.3 * ms, 0.2 * ms]}
+    mpq = {"1MiB": [0.6 * ms], "64MiB": [30 * ms], "256MiB": [90 * ms]}
+    zcopy = {"1MiB": [0.7 * ms], "64MiB": [60 * ms], "256MiB": [240 * ms]}
+    memcpy = {"1MiB": [0.05 * ms], "64MiB": [5 * ms], "256MiB": [20 * ms]}
+    r = transport.summarise(sizes, ring, mpq, zcopy, memcpy, 30.0)
+    assert r["e2e_ms"]["ring"]["64MiB"] == 20.0  # medians
+    assert r["e2e_ratio_mpqueue_pool_over_ring_64MiB"] == 1.5
+    assert r["e2e_ratio_zmqcopy_over_ring_64MiB"] == 3.0
+    assert r["zmq_roundtrip_ms"] == 0.2
+    assert r["e2e_ms_two_copy_floor"]["64MiB"] == 10.2  # 2 x memcpy + round trip
+    assert r["e2e_growth_1_to_256MiB"] == 160.0
+    assert r["memcpy_growth_1_to_256MiB"] == 400.0
+    assert r["targets_met"] == {"e2e_ratio_mpqueue_pool_over_ring_64MiB": True,
+                                "e2e_ratio_zmqcopy_over_ring_64MiB": True}
+
+
+def test_transport_ring_copy_out_keeps_the_consumers_own_bytes():
+    batch = transport.make_batch(1 << 20, seq=12)
+    mine = transport.copy_out(transport.own_buffers(4 << 20), batch)
+    assert transport.holds(mine, 12) and not transport.holds(mine, 13)
+    batch["input_ids"][0] = 99  # the slot is rewritten after release: the consumer's copy is unchanged
+    assert transport.holds(mine, 12)
+    assert all(m.data_ptr() != b.data_ptr() for m, b in zip(mine.values(), batch.values(), strict=True))
+
+
+def test_pipeline_serial_baseline_on_both_cores_is_the_faster_thread_count():
+    assert pipeline.best_serial_same_cores({"serial_2_threads": 900.0, "serial_1_thread_2_cores": 1000.0}) \
+        == "serial_1_thread_2_cores"
+    assert pipeline.best_serial_same_cores({"serial_2_threads": 1500.0, "serial_1_thread_2_cores": 1000.0}) \
+        == "serial_2_threads"
+
+
+def test_scaleout_reads_the_steady_profile_lines(tmp_path):
+    lines = [
+        "12:00:00 producer INFO prof 5.0s | forward 10×100.00ms (max 120.00) 90.0% | tokens=100/s",  # start-up
+        "12:00:05 producer INFO prof 5.0s | forward 10×50.00ms (max 60.00) 10.0% | wait_slot 1×1.00ms (max 1) 1.0%",
+        "12:00:07 producer INFO batch 3 sent",
+        "12:00:10 producer INFO prof 10.0s | forward 10×50.00ms (max 60.00) 40.0%",
+        "12:00:12 producer INFO prof 2.0s | forward 1×1.00ms (max 1.00) 0.1%",  # the drain
+    ]
+    (tmp_path / "producer.out").write_text("\n".join(lines) + "\n")
+    (tmp_path / "consumer0.out").write_text("no profile lines\n")
+    shares = scaleout.profile_shares(tmp_path, 1)
+    assert shares["producer_forward_pct"] == 30.0  # (0.5 s + 4 s) / 15 s
+    assert shares["allreduce_wait_pct"] == 0.0
+
+
+@pytest.mark.slow  # six interpreters importing torch
+def test_bench_all_quick_passes_each_bench_only_flags_it_has():
+    assert set(bench_all.QUICK_ARGS) == set(bench_all.BENCHES)
+    for name, args in bench_all.QUICK_ARGS.items():
+        proc = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        for flag in (a for a in args if a.startswith("--")):
+            assert flag in proc.stdout, f"bench.{name} has no {flag} (bench.all --quick passes it)"
+
+
+def test_bench_all_refuses_an_unknown_bench(capsys):
+    with pytest.raises(SystemExit):
+        bench_all.main(["--only", "transport,warp"])
+    assert "unknown benchmark(s) ['warp']" in capsys.readouterr().err
