@@ -29,6 +29,7 @@ Output: the figures as a markdown table between the markers in --md, and one JSO
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             stage_job, pipe_job = Path(results["assets"]["stage_job"]), Path(results["assets"]["pipeline_job"])
             if "stages" not in skip:
                 run_step(results, "stages", step_stages, stage_job)
+                gc.collect()
                 torch.cuda.empty_cache()  # the pipeline's processes need the memory this one holds
             if "pipeline" not in skip:
                 run_step(results, "pipeline", step_pipeline, pipe_job, args.pipeline_s)

@@ -107,7 +107,8 @@ class JobStages:
         buffer = torch.empty(
             job.data.tokens_per_batch, target.feature_width, dtype=target.dtype, device=target.device
         )
-        alone, serial = new_trainer(job, "d0"), new_trainer(job, "d0")
+        first = job.drafters[0].name
+        alone, serial = new_trainer(job, first), new_trainer(job, first)
         # cloned outside inference mode: the trainer's autograd cannot save inference tensors
         features = [target(b.input_ids, b.cu_seqlens).to(alone.device).clone() for b in batches]
         drafter_batches = [on_device(b, alone.device) for b in batches]

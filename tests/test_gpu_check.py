@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
+from common.config import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,3 +97,14 @@ def test_docs_say_no_gpu_run_has_happened_until_one_has():
         assert "No GPU run has happened yet" in text
     else:  # written by a real run: it names when and on what
         assert table.lstrip().startswith("Run ")
+
+
+def test_the_job_files_it_writes_are_valid_jobs(tmp_path):
+    assets = tmp_path / "assets"
+    (assets / "target").mkdir(parents=True)
+    (assets / "chats.jsonl").write_text("")
+    job = load_job(gpu_check.write_job(tmp_path / "pipe" / "job.toml", tmp_path / "pipe", assets, "chats.jsonl",
+                                       gpu_check.PIPELINE_EPOCHS))
+    assert job.target.layer_ids == [1, 9, 17, 25, 33] and job.target.dtype == "bfloat16"
+    assert job.transport.kind == "cuda" and job.data.tokens_per_batch == 16384
+    assert [(d.num_layers, d.block_size, d.devices) for d in job.drafters] == [(5, 16, ["cuda:0"])] * 2
