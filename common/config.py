@@ -11,7 +11,7 @@ import json
 import math
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -46,9 +46,11 @@ class TargetConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str  # JSONL file
+    path: str  # a .jsonl, .parquet or .arrow file (messages, ShareGPT conversations or prompt/response)
     format: Literal["chat", "prompt_response"] = "chat"
     tokenizer: str | None = None  # default: the target's directory
+    # passed to every chat-template rendering, e.g. {enable_thinking = false}; regenerate with the same
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_length: Annotated[int, Field(ge=8)] = 2048
     tokens_per_batch: Annotated[int, Field(ge=8)] = 8192
     epochs: Annotated[int, Field(ge=1)] = 1

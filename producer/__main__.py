@@ -1,5 +1,6 @@
 """`python -m producer --job JOB.toml`: the target-forward service.
-`python -m producer regenerate ...`: regenerate a dataset's responses with the target (see --help)."""
+`python -m producer regenerate ...`: regenerate a dataset's responses with the target (see --help).
+`python -m producer data-stats JOB.toml`: what the job's data holds and how many batches and steps it makes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from common.profile import ProfileStats
 from common.ring import RingError
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
-from producer.data import ChatEncoder, DataError, JsonlDataset
+from producer.data import ChatDataset, ChatEncoder, DataError
 from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService
@@ -29,7 +30,7 @@ from producer.target import TargetLoadError, load_target
 log = logging.getLogger("producer")
 
 
-def batch_stream(dataset: JsonlDataset, plan: BatchPlan, depth: int) -> Callable[[int], Iterator[PackedBatch]]:
+def batch_stream(dataset: ChatDataset, plan: BatchPlan, depth: int) -> Callable[[int], Iterator[PackedBatch]]:
     """`batches_from(seq)`: packed batches from `seq` on, tokenized ahead by a background thread."""
 
     def batches_from(seq: int) -> Iterator[PackedBatch]:
@@ -47,14 +48,15 @@ def batch_stream(dataset: JsonlDataset, plan: BatchPlan, depth: int) -> Callable
     return batches_from
 
 
-def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[JsonlDataset, BatchPlan]:
+def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatDataset, BatchPlan]:
     tok_path = job.data.tokenizer or job.target.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise DataError(f"{tok_path}: cannot load the tokenizer: {err}") from err
     start = time.perf_counter()
-    dataset = JsonlDataset(job.data.path, job.data.format, ChatEncoder(tokenizer, job.data.max_length, str(tok_path)))
+    encoder = ChatEncoder(tokenizer, job.data.max_length, str(tok_path), job.data.chat_template_kwargs)
+    dataset = ChatDataset(job.data.path, job.data.format, encoder)
     stats = dataset.stats
     log.info("indexed %s: %d samples, %d tokens, %d truncated, skipped %s (%.1f s)", job.data.path, len(dataset),
              stats.tokens, stats.truncated, dict(stats.skipped) or "none", time.perf_counter() - start)
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from producer.regenerate import main as regenerate
 
         return regenerate(argv[1:])
+    if argv[:1] == ["data-stats"]:
+        from producer.data_stats import main as data_stats
+
+        return data_stats(argv[1:])
     ap = argparse.ArgumentParser(prog="dflash-producer", description=__doc__)
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--node-rank", type=int, default=0)
