@@ -1,104 +1,180 @@
-"""The producer's target forward on the CPU: truncated capture vs a naive full forward, and the pipeline.
+"""The producer's target forward on the CPU: truncated capture vs a naive full forward, packing, the pipeline.
 
-    .venv/bin/python -m bench.producer [--json] [--batches N] [--threads N]
+    .venv/bin/python -m bench.producer [--json] [--batches N] [--repeats N] [--threads N]
+    (`python bench/producer.py` works too: the file puts the repository first on sys.path, since its own
+    folder would otherwise shadow the producer package.)
 
-Target: a random Qwen3 (hidden 256, 8 layers, 4 heads × 64, intermediate 768, vocab 16,384: the
-vocabulary-to-hidden ratio of a real model, so the LM head costs what it costs there), fp32, sdpa; five
-DFlash features → layers [1, 2, 3, 4, 5]. Data: synthetic multi-turn chats tokenized with the ChatML
-template, packed by the batch plan (2,048 tokens a batch, max length 512).
+Data: synthetic multi-turn chats tokenized with the ChatML template, packed by the batch plan (2,048 tokens a
+batch, max length 512, ~10 sequences a batch). Every target is random, fp32, sdpa, built from transformers'
+config classes. Variants alternate over the same batches, `--repeats` times; each batch's fastest run counts
+(a shared machine only adds noise upward). What is timed is one call per batch, features included:
 
-- capture: producer.target (stops after layer 5, no LM head, features written into one buffer);
-- naive: the full model on the same packed batch and mask, output_hidden_states=True and logits, features
-  concatenated from hidden_states. Variants alternate over the same batches, `--repeats` times; each
-  batch's fastest run counts (a shared machine only adds noise upward).
-- per_sequence: the capture run once per sequence (plain causal attention each) instead of one forward
-  with a block-diagonal mask; `packed_over_per_sequence` > 1 means the packed forward is faster.
-- pipeline: background tokenizer (Prefetcher) + capture over the whole plan, as the producer runs it;
-  `tokenize_stall_pct` is the share of the wall time the forward waited for a tokenized batch.
+- `ratio_capture_over_naive` (a real target's shape): a Qwen3 with Qwen3-8B's depth and proportions at 1/32 of
+  its width (36 layers, hidden 128, intermediate 3×hidden, 4:1 grouped-query heads, vocabulary 37×hidden as
+  4096 → 151,936), captured layers [1, 9, 17, 25, 33]. capture = producer.target (stops after layer 33, no LM
+  head, features written into one buffer); naive = the full model on the same packed batch
+  (output_hidden_states=True and logits, features concatenated). Both shapes keep the LM head's share of the
+  FLOPs of the model they stand for: ~8% at this shape, as in Qwen3-8B.
+- `toy_ratio_capture_over_naive`: the same on the toy shape (8 layers, hidden 256, vocabulary 16,384, layers
+  [1..5]): its LM head is ~40% of the FLOPs, 5x a real model's share, so this ratio flatters the truncation.
+- `packed_over_per_sequence` (toy shape): one packed forward vs the capture run once per sequence.
+- `hybrid_packed_over_per_sequence`: a Qwen3.5-style hybrid (6 Gated DeltaNet + 2 full-attention layers):
+  the packed capture (linear-attention layers as a padded batch) vs the per-sequence fallback
+  (TargetCapture.forward_per_sequence), tokens/s over tokens/s on the same batches.
+- `sliding_packed_maxdiff`: a Mistral-style target whose sliding window (64) is shorter than most sequences:
+  the largest |packed feature - the same sequence run alone by the full model| over the timed batches (fp32;
+  must stay <= 1e-5).
+- pipeline (toy shape): background tokenizer (Prefetcher) + capture over the whole plan, as the producer runs
+  it; `tokenize_stall_pct` is the share of the wall time the forward waited for a tokenized batch.
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
-import tempfile
-import time
+import sys
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
+if __package__ in (None, ""):  # run as a file: its folder (bench/) would shadow the producer package
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-from producer.data import ChatEncoder, JsonlDataset
-from producer.plan import BatchPlan
-from producer.prefetch import Prefetcher, pack_batch
-from producer.target import load_target
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl  # noqa: E402
+from producer.data import ChatDataset, ChatEncoder  # noqa: E402
+from producer.plan import BatchPlan  # noqa: E402
+from producer.prefetch import Prefetcher, pack_batch  # noqa: E402
+from producer.target import load_target  # noqa: E402
 
 TOKENS_PER_BATCH = 2048
 MAX_LENGTH = 512
 
 
+REAL_SHAPE = dict(hidden_size=128, num_layers=36, heads=4, kv_heads=1, head_dim=32, intermediate_size=384,
+                  vocab_size=37 * 128)  # fmt: skip
+REAL_LAYERS = [1, 9, 17, 25, 33]
+TOY_SHAPE = dict(hidden_size=256, num_layers=8, heads=4, kv_heads=2, head_dim=64, intermediate_size=768,
+                 vocab_size=16384)  # fmt: skip
+SLIDING_WINDOW = 64
+
+
 def build_assets(root: Path, num_chats: int):
     tok = train_tokenizer(corpus_texts(synthetic_chats(200)), 2000, root / "tok")
-    model_dir = build_tiny_target(
-        root / "model", tok, hidden_size=256, num_layers=8, heads=4, kv_heads=2, head_dim=64,
-        intermediate_size=768, vocab_size=16384,
-    )  # fmt: skip
+    toy = build_tiny_target(root / "toy", tok, **TOY_SHAPE)
+    real = build_tiny_target(root / "real", tok, **REAL_SHAPE)
     data = write_jsonl(root / "chats.jsonl", synthetic_chats(num_chats, seed=1, max_turns=4, max_words=40))
-    return tok, model_dir, data
+    return tok, toy, real, data
 
 
-def time_variants(cap, full, batches, per_sequence_batches: int, repeats: int) -> dict[str, float]:
-    """Seconds per variant: the sum over batches of each batch's fastest of `repeats` alternating runs."""
+def save_random(config: transformers.PretrainedConfig, out: Path) -> Path:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
 
-    def per_sequence(b):
-        out = torch.empty(b.num_tokens, cap.feature_width)
-        for s, e in itertools.pairwise(b.cu_seqlens.tolist()):
-            cap(b.input_ids[s:e], torch.tensor([0, e - s]), out=out[s:e])
 
-    variants = {
-        "capture": lambda b: cap(b.input_ids, b.cu_seqlens),
-        "naive": lambda b: naive_forward(cap, full, b),
-        "per_sequence": per_sequence,
-    }
+def hybrid_config(vocab: int) -> transformers.PretrainedConfig:
+    """Qwen3.5's text decoder at hidden 128: 6 Gated DeltaNet layers and 2 full-attention ones (every 4th)."""
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def sliding_config(vocab: int) -> transformers.PretrainedConfig:
+    return transformers.MistralConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=SLIDING_WINDOW, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def time_variants(variants: dict, batches, repeats: int, only_first: dict[str, int] | None = None) -> dict:
+    """Seconds per variant: the sum over batches of each batch's fastest of `repeats` alternating runs.
+
+    `only_first[name] = n` times that variant on the first n batches only (a slow baseline).
+    """
+    only_first = only_first or {}
     best: dict[tuple[str, int], float] = {}
     for _ in range(repeats):
         for k, b in enumerate(batches):
             for name, run in variants.items():
-                if name == "per_sequence" and k >= per_sequence_batches:
+                if k >= only_first.get(name, len(batches)):
                     continue
                 t0 = time.perf_counter()
                 run(b)
                 dt = time.perf_counter() - t0
                 best[name, k] = min(best.get((name, k), dt), dt)
-    totals = {name: sum(v for (n, _), v in best.items() if n == name) for name in variants}
-    totals["packed"] = sum(best["capture", k] for k in range(min(per_sequence_batches, len(batches))))
-    return totals
+    return {name: sum(v for (n, _), v in best.items() if n == name) for name in variants}
+
+
+def tokens(batches) -> int:
+    return sum(b.num_tokens for b in batches)
 
 
 @torch.inference_mode()
-def naive_forward(cap, full, b) -> torch.Tensor:
-    ids = b.input_ids.view(1, -1)
+def naive_forward(layer_ids: list[int], full, b) -> torch.Tensor:
+    """The full model on the packed batch: restarting position ids, transformers' own packed masks."""
     lengths = torch.diff(b.cu_seqlens.long())
-    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lengths).view(1, -1)
     positions = torch.cat([torch.arange(int(n)) for n in lengths]).view(1, -1)
-    mask = cap.packed_attention_mask(full.get_input_embeddings()(ids), seq_idx)
-    out = full(ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+    out = full(b.input_ids.view(1, -1), position_ids=positions, use_cache=False, output_hidden_states=True)
     assert out.logits.shape[-1] == full.config.vocab_size
-    return torch.cat([out.hidden_states[i + 1][0] for i in cap.layer_ids], dim=-1)
+    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+
+def load_full(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+
+
+def capture_vs_naive(model_dir: Path, layer_ids, num_features: int, warm, timed, repeats: int) -> dict:
+    cap = load_target(model_dir, layer_ids=layer_ids, num_features=num_features, dtype="float32")
+    full = load_full(model_dir)
+    variants = {"capture": lambda b: cap(b.input_ids, b.cu_seqlens), "naive": lambda b: naive_forward(cap.layer_ids, full, b)}
+    time_variants(variants, warm, 1)
+    t = time_variants(variants, timed, repeats)
+    return {"cap": cap, "capture_tps": tokens(timed) / t["capture"], "naive_tps": tokens(timed) / t["naive"]}
+
+
+def packed_vs_per_sequence(cap, warm, timed, repeats: int) -> dict[str, float]:
+    variants = {
+        "packed": lambda b: cap(b.input_ids, b.cu_seqlens),
+        "per_sequence": lambda b: cap.forward_per_sequence(b.input_ids, b.cu_seqlens),
+    }
+    time_variants(variants, warm, 1)
+    t = time_variants(variants, timed, repeats)
+    return {name: tokens(timed) / sec for name, sec in t.items()}
+
+
+@torch.inference_mode()
+def packed_maxdiff(cap, full, batches) -> tuple[float, int]:
+    """Largest |packed feature - the sequence alone| and how many sequences are longer than the window."""
+    worst, longer = 0.0, 0
+    for b in batches:
+        feats = cap(b.input_ids, b.cu_seqlens)
+        for s, e in itertools.pairwise(b.cu_seqlens.tolist()):
+            hs = full(b.input_ids[s:e].view(1, -1), use_cache=False, output_hidden_states=True).hidden_states
+            ref = torch.cat([hs[i + 1][0] for i in cap.layer_ids], dim=-1)
+            worst = max(worst, (feats[s:e] - ref).abs().max().item())
+            longer += e - s > SLIDING_WINDOW
+    return worst, longer
 
 
 def run_pipeline(cap, ds, planned, depth: int) -> dict:
-    tokens = 0
+    n = 0
     with Prefetcher(ds, planned, depth=depth) as pf:
         start = time.perf_counter()
         while (b := pf.get(timeout=60)) is not None:
             cap(b.input_ids, b.cu_seqlens)
-            tokens += b.num_tokens
+            n += b.num_tokens
         wall = time.perf_counter() - start
-        return {"tokens": tokens, "wall_s": wall, "wait_s": pf.wait_s}
+        return {"tokens": n, "wall_s": wall, "wait_s": pf.wait_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -114,57 +190,70 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.disable_progress_bar()
 
     with tempfile.TemporaryDirectory(prefix="bench-producer-") as tmp:
-        tok, model_dir, data = build_assets(Path(tmp), num_chats=600)
+        tok, toy_dir, real_dir, data = build_assets(Path(tmp), num_chats=600)
         t0 = time.perf_counter()
-        ds = JsonlDataset(data, "chat", ChatEncoder(tok, MAX_LENGTH))
+        ds = ChatDataset(data, "chat", ChatEncoder(tok, MAX_LENGTH))
         index_s = time.perf_counter() - t0
         plan = BatchPlan(
             ds.lengths, seed=0, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8
         )
-        cap = load_target(model_dir, num_features=5, dtype="float32", attn_implementation="sdpa")
-        full = AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
         planned = list(plan.batches_from(0))
         reader = ds.reader()
         batches = [pack_batch(reader, pb) for pb in planned[: args.batches + 1]]
         reader.close()
-        time_variants(cap, full, batches[:1], 1, repeats=1)  # warm-up
-        timed = batches[1:]
-        n_seq = max(1, args.batches // 3)
-        best = time_variants(cap, full, timed, per_sequence_batches=n_seq, repeats=args.repeats)
-        timed_tokens = sum(b.num_tokens for b in timed)
-        seq_tokens = sum(b.num_tokens for b in timed[:n_seq])
+        warm, timed = batches[:1], batches[1:]
+
+        real = capture_vs_naive(real_dir, REAL_LAYERS, 5, warm, timed, args.repeats)
+        toy = capture_vs_naive(toy_dir, None, 5, warm, timed, args.repeats)
+        toy_packing = packed_vs_per_sequence(toy["cap"], warm, timed, args.repeats)
+        hybrid = load_target(save_random(hybrid_config(len(tok)), Path(tmp) / "hybrid"), dtype="float32")
+        assert hybrid.packed, hybrid.per_sequence_reason
+        hybrid_packing = packed_vs_per_sequence(hybrid, warm, timed, args.repeats)
+        sliding_dir = save_random(sliding_config(len(tok)), Path(tmp) / "sliding")
+        sliding = load_target(sliding_dir, num_features=4, dtype="float32")
+        sliding_diff, longer = packed_maxdiff(sliding, load_full(sliding_dir), timed)
         pipe_plan = BatchPlan(
             ds.lengths, seed=1, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8
         )
         pipe = run_pipeline(
-            cap, ds, itertools.islice(pipe_plan.batches_from(0), args.pipeline_batches), depth=8
+            toy["cap"], ds, itertools.islice(pipe_plan.batches_from(0), args.pipeline_batches), depth=8
         )
 
-    capture_tps = timed_tokens / best["capture"]
-    naive_tps = timed_tokens / best["naive"]
+    seqs = sum(len(b.cu_seqlens) - 1 for b in timed)
     result = {
-        "target": "qwen3 h256 L8 vocab16384 fp32 sdpa",
-        "layer_ids": cap.layer_ids,
-        "layers_run": cap.layers_run,
+        "target": "qwen3 L36 h128 i384 heads 4/1x32 vocab4736 (Qwen3-8B proportions at 1/32 width), fp32 sdpa",
+        "layer_ids": real["cap"].layer_ids,
+        "layers_run": real["cap"].layers_run,
         "tokens_per_batch": TOKENS_PER_BATCH,
+        "sequences_per_batch": round(seqs / len(timed), 1),
         "threads": args.threads,
-        "capture_tokens_per_s": round(capture_tps, 1),
-        "naive_tokens_per_s": round(naive_tps, 1),
-        "ratio_capture_over_naive": round(capture_tps / naive_tps, 3),
-        "packed_over_per_sequence": round(best["per_sequence"] / best["packed"], 3),
-        "per_sequence_tokens_per_s": round(seq_tokens / best["per_sequence"], 1),
+        "capture_tokens_per_s": round(real["capture_tps"], 1),
+        "naive_tokens_per_s": round(real["naive_tps"], 1),
+        "ratio_capture_over_naive": round(real["capture_tps"] / real["naive_tps"], 3),
+        "toy_target": "qwen3 L8 h256 vocab16384 fp32 sdpa, layers " + str(toy["cap"].layer_ids),
+        "toy_ratio_capture_over_naive": round(toy["capture_tps"] / toy["naive_tps"], 3),
+        "packed_over_per_sequence": round(toy_packing["packed"] / toy_packing["per_sequence"], 3),
+        "hybrid_target": "qwen3_5 text L8 (6 gated deltanet + 2 full) h128, layers " + str(hybrid.layer_ids),
+        "hybrid_packed_tokens_per_s": round(hybrid_packing["packed"], 1),
+        "hybrid_per_sequence_tokens_per_s": round(hybrid_packing["per_sequence"], 1),
+        "hybrid_packed_over_per_sequence": round(hybrid_packing["packed"] / hybrid_packing["per_sequence"], 3),
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_sequences_longer_than_window": longer,
+        "sliding_packed_maxdiff": sliding_diff,
         "producer_tokens_per_s": round(pipe["tokens"] / pipe["wall_s"], 1),
         "tokenize_stall_pct": round(100 * pipe["wait_s"] / pipe["wall_s"], 3),
         "pipeline_tokens": pipe["tokens"],
         "index_tokens_per_s": round(ds.stats.tokens / index_s, 1),
     }
     print(
-        f"capture {capture_tps:.0f} tok/s vs naive {naive_tps:.0f} tok/s:"
-        f" ratio {result['ratio_capture_over_naive']:.2f} (runs {cap.layers_run} of 8 layers, no LM head)"
+        f"real shape: capture {real['capture_tps']:.0f} tok/s vs naive {real['naive_tps']:.0f} tok/s: ratio"
+        f" {result['ratio_capture_over_naive']:.2f} (runs {real['cap'].layers_run} of 36 layers, no LM head);"
+        f" toy shape: {result['toy_ratio_capture_over_naive']:.2f}"
     )
-    print(f"packed block-diagonal forward vs per-sequence loop: {result['packed_over_per_sequence']:.2f}x")
+    print(f"packed forward vs per-sequence loop: dense toy {result['packed_over_per_sequence']:.2f}x,"
+          f" hybrid linear attention {result['hybrid_packed_over_per_sequence']:.2f}x")
+    print(f"sliding window {SLIDING_WINDOW}: packed vs alone max |diff| {sliding_diff:.2e}"
+          f" ({longer} sequences longer than the window)")
     print(
         f"pipeline: {result['producer_tokens_per_s']:.0f} tok/s,"
         f" tokenizer stall {result['tokenize_stall_pct']:.2f}% of wall time"

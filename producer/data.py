@@ -1,72 +1,98 @@
-"""Datasets for the producer: JSONL readers, chat-template tokenization and assistant-only loss masks.
+"""Datasets for the producer: chat records from any record file, chat-template tokenization, loss masks.
 
-Loss masks are derived by rendering prefixes of the conversation with the target's own chat template: for
-assistant turn i, render(messages[:i], add_generation_prompt=True) ends exactly where the answer starts, and
-render(messages[:i+1]) ends after the answer and its end-of-turn token (plus any whitespace the template puts
-after it, which is not generated and so gets no loss). The conversation text is cut at those boundaries and
-each piece tokenized on its own, so no token straddles a prompt/answer boundary, and the answer tokens are
-exactly what the model would generate after that prompt. This works for any template whose rendering of a
-prefix is a prefix of the full rendering (ChatML, Llama-3, Zephyr, ...), needs no `{% generation %}`
-markers (most released templates lack them), and a template that breaks the prefix property is detected
-and the record skipped with a warning rather than silently mis-masked.
+Records come from JSON lines, Parquet or Arrow files (producer/records.py) as OpenAI-style `messages`
+(role/content), ShareGPT-style `conversations` (from/value: human/gpt/system) or prompt/response pairs.
+
+Loss masks are derived by rendering prefixes of the conversation with the target's own chat template (and
+the job's `chat_template_kwargs`, e.g. `enable_thinking`): for assistant turn i, render(messages[:i],
+add_generation_prompt=True) ends exactly where the answer starts, and render(messages[:i+1]) ends after the
+answer and its end-of-turn token (plus any whitespace the template puts after it, which is not generated
+and so gets no loss). The conversation text is cut at those boundaries and each piece tokenized on its own,
+so no token straddles a prompt/answer boundary, and the answer tokens are exactly what the model would
+generate after that prompt: for a thinking template that keeps the reasoning of the last turn, the
+`<think>` block is part of the answer; a generation prompt that pre-fills an empty one (enable_thinking =
+false) keeps it out. This works for any template whose rendering of a prefix is a prefix of the full
+rendering (ChatML, Llama-3, Zephyr, ...) and needs no `{% generation %}` markers (most released templates
+lack them).
+
+Templates that render a turn differently once later turns follow (Qwen3 drops the reasoning of assistant
+turns before the last user message, and their pre-filled empty think block) are handled as the full
+rendering shows the turn: the answer starts where the full rendering departs from the generation prompt
+and ends at the turn's end-of-turn token, so a history turn's loss covers the answer text the template
+kept. A template that breaks even that is detected and the record skipped with a warning rather than
+silently mis-masked.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
+
+from producer.records import TABLE_SUFFIXES, DataError, RecordError, RecordFile, json_record, open_records
 
 log = logging.getLogger(__name__)
 
 Format = Literal["chat", "prompt_response"]
-Message = dict[str, str]
+Message = dict[str, str]  # role, content and, on assistant turns, an optional reasoning_content
 WARNINGS_PER_REASON = 20  # then only the summary counts them
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+COLUMNS: dict[str, tuple[str, ...]] = {"chat": ("messages", "conversations"), "prompt_response": ("prompt", "response")}
+
+__all__ = [
+    "ChatDataset", "ChatEncoder", "DataError", "Message", "RecordError", "iter_messages", "location", "parse_record"
+]
 
 
-class DataError(ValueError):
-    """A dataset or tokenizer that cannot be used at all; the message names the file and the reason."""
+def _chat_messages(rec: dict) -> list[Message]:
+    if rec.get("messages") is not None:
+        messages = rec["messages"]
+        if not isinstance(messages, list):
+            raise RecordError("malformed", '"messages" is not a list')
+        out = []
+        for k, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise RecordError("malformed", f'messages[{k}] needs string "role" and "content"')
+            msg = {"role": m["role"], "content": m["content"]}
+            reasoning = m.get("reasoning_content")
+            if reasoning is not None:  # a table column is None where a row lacks it
+                if not isinstance(reasoning, str):
+                    raise RecordError("malformed", f"messages[{k}].reasoning_content is not a string")
+                msg["reasoning_content"] = reasoning
+            out.append(msg)
+        return out
+    if rec.get("conversations") is not None:
+        turns = rec["conversations"]
+        if not isinstance(turns, list):
+            raise RecordError("malformed", '"conversations" is not a list')
+        out = []
+        for k, t in enumerate(turns):
+            if not (isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str)):
+                raise RecordError("malformed", f'conversations[{k}] needs string "from" and "value"')
+            role = SHAREGPT_ROLES.get(t["from"])
+            if role is None:
+                raise RecordError(
+                    "malformed", f"conversations[{k}].from is {t['from']!r} (expected one of {sorted(SHAREGPT_ROLES)})"
+                )
+            out.append({"role": role, "content": t["value"]})
+        return out
+    raise RecordError("malformed", 'needs a "messages" list (role/content) or a "conversations" list (from/value)')
 
 
-class RecordError(ValueError):
-    """One record that is skipped; `reason` is its counter key."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
-def parse_record(line: str, fmt: Format, require_assistant: bool = True) -> list[Message]:
-    """One JSONL line → the conversation's messages; raises RecordError naming what is wrong."""
-    if not line.strip():
-        raise RecordError("empty", "empty line")
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise RecordError("malformed", f"not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(rec, dict):
-        raise RecordError("malformed", f"expected a JSON object, got {type(rec).__name__}")
+def record_messages(rec: dict, fmt: Format, require_assistant: bool = True) -> list[Message]:
+    """One record (a JSON object or a table row) → the conversation's messages; RecordError says what is wrong."""
     if fmt == "prompt_response":
         prompt, response = rec.get("prompt"), rec.get("response")
         if not isinstance(prompt, str) or not isinstance(response, str):
             raise RecordError("malformed", 'needs string fields "prompt" and "response"')
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     else:
-        messages = rec.get("messages")
-        if not isinstance(messages, list):
-            raise RecordError("malformed", 'needs a "messages" list')
-        for k, m in enumerate(messages):
-            if not (
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            ):
-                raise RecordError("malformed", f'messages[{k}] needs string "role" and "content"')
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = _chat_messages(rec)
     if not messages or not any(m["content"].strip() for m in messages):
         raise RecordError("empty", "no message has any content")
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
@@ -74,18 +100,41 @@ def parse_record(line: str, fmt: Format, require_assistant: bool = True) -> list
     return messages
 
 
-class ChatEncoder:
-    """Tokenizes a conversation with the tokenizer's chat template; loss mask 1 on assistant answers only."""
+def parse_record(line: str, fmt: Format, require_assistant: bool = True) -> list[Message]:
+    """One JSONL line → the conversation's messages; raises RecordError naming what is wrong."""
+    return record_messages(json_record(line.encode("utf-8")), fmt, require_assistant)
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int, name: str = "tokenizer"):
+
+def open_dataset_file(path: str | Path, fmt: Format) -> RecordFile:
+    if fmt not in COLUMNS:
+        raise DataError(f"{path}: unknown data format {fmt!r} (chat or prompt_response)")
+    return open_records(path, COLUMNS[fmt])
+
+
+class ChatEncoder:
+    """Tokenizes a conversation with the tokenizer's chat template; loss mask 1 on assistant answers only.
+
+    `template_kwargs` are passed to every rendering (the job's `data.chat_template_kwargs`).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int,
+        name: str = "tokenizer",
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{name}: the tokenizer has no chat template; loss masks need one")
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.template_kwargs = dict(template_kwargs or {})
+        # end-of-turn candidates: special tokens, longest first (so <|im_end|> wins over a shorter suffix)
+        self._special = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
 
     def pieces(self, messages: list[Message]) -> list[tuple[str, bool]]:
@@ -96,18 +145,49 @@ class ChatEncoder:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prompt = self._render(messages[:i], True)
-            turn = self._render(messages[: i + 1], False)
-            if not (full.startswith(turn) and turn.startswith(prompt) and len(prompt) >= cursor):
+            start = self._answer_start(full, messages[:i], i)
+            if start < cursor:
                 raise RecordError(
-                    "template_not_prefix_stable",
-                    f"the chat template does not render assistant turn {i} as a prefix of the conversation",
+                    "template_not_prefix_stable", f"assistant turn {i} starts before the previous turn ends"
                 )
-            end = len(prompt) + len(turn[len(prompt) :].rstrip())
-            pieces += [(full[cursor : len(prompt)], False), (full[len(prompt) : end], True)]
+            end = self._answer_end(full, start, messages[: i + 1], i)
+            pieces += [(full[cursor:start], False), (full[start:end], True)]
             cursor = end
         pieces.append((full[cursor:], False))
         return [(text, answer) for text, answer in pieces if text]
+
+    def _answer_start(self, full: str, before: list[Message], i: int) -> int:
+        prompt = self._render(before, True)
+        if full.startswith(prompt):
+            return len(prompt)
+        # a history turn the template renders without the generation prompt's pre-fill (Qwen3's empty think
+        # block): the answer starts where the full rendering departs from the generation prompt
+        context = self._render(before, False) if before else ""
+        if not (full.startswith(context) and prompt.startswith(context)):
+            raise RecordError(
+                "template_not_prefix_stable",
+                f"the chat template does not render the prompt of assistant turn {i} as a prefix of the conversation",
+            )
+        start = len(context)
+        while start < len(prompt) and start < len(full) and prompt[start] == full[start]:
+            start += 1
+        return start
+
+    def _answer_end(self, full: str, start: int, upto: list[Message], i: int) -> int:
+        turn = self._render(upto, False).rstrip()
+        if full.startswith(turn) and len(turn) > start:
+            return len(turn)
+        # the template renders this turn differently once later turns follow (Qwen3 strips the reasoning of
+        # turns before the last user message): the answer ends at the same end-of-turn token in the full text
+        eot = next((t for t in self._special if turn.endswith(t)), None)
+        end = full.find(eot, start) if eot else -1
+        if end < 0:
+            raise RecordError(
+                "template_not_prefix_stable",
+                f"the chat template does not render assistant turn {i} as a prefix of the conversation"
+                " and the turn ends in no special token",
+            )
+        return end + len(eot)
 
     def encode(self, messages: list[Message]) -> tuple[list[int], list[int], int]:
         """→ (input_ids, loss_mask) truncated to max_length, and the length before truncation."""
@@ -123,91 +203,93 @@ class ChatEncoder:
 
 @dataclass
 class DataStats:
-    """What indexing skipped and truncated; `skipped` maps reason → count."""
+    """What indexing read, skipped and truncated; `skipped` maps reason → count."""
 
     records: int = 0
     skipped: Counter = field(default_factory=Counter)
     truncated: int = 0
-    tokens: int = 0
+    tokens: int = 0  # after truncation: what the batches hold
+    loss_tokens: int = 0  # of those, the ones with loss mask 1
 
 
-class JsonlDataset:
-    """A JSONL file indexed once: byte offset and (truncated) token length of every usable record.
+class ChatDataset:
+    """A record file indexed once: the position and (truncated) token length of every usable record.
 
-    Sample id i is the i-th usable record of the file. Records are re-read by offset and re-tokenized when
-    a batch needs them, so memory holds two integers per sample, not the tokens.
+    Sample id i is the i-th usable record of the file. Records are re-read by position and re-tokenized
+    when a batch needs them, so memory holds two integers per sample, not the tokens.
     """
 
     def __init__(self, path: str | Path, fmt: Format, encoder: ChatEncoder):
         self.path = Path(path)
         self.format: Format = fmt
         self.encoder = encoder
-        self.offsets: list[int] = []
+        self.records = open_dataset_file(self.path, fmt)
+        self.positions: list[int] = []
         self.lengths: list[int] = []
         self.stats = DataStats()
-        if fmt not in ("chat", "prompt_response"):
-            raise DataError(f"{self.path}: unknown data format {fmt!r} (chat or prompt_response)")
-        if not self.path.is_file():
-            raise DataError(f"{self.path}: data file does not exist")
         self._index()
-        if not self.offsets:
+        if not self.stats.records:
+            raise DataError(f"{self.path}: data file has no records")
+        if not self.positions:
             raise DataError(f"{self.path}: no usable record ({dict(self.stats.skipped)} skipped)")
 
     def _index(self) -> None:
         max_length = self.encoder.max_length
-        with self.path.open("rb") as f:
-            offset = 0
-            for line_no, raw in enumerate(f, start=1):
-                self.stats.records += 1
-                try:
-                    line = raw.decode("utf-8")
-                    ids, _, full_length = self.encoder.encode(parse_record(line, self.format))
-                except UnicodeDecodeError:
-                    self._skip(line_no, RecordError("malformed", "not valid UTF-8"))
-                except RecordError as err:
-                    self._skip(line_no, err)
-                else:
-                    self.offsets.append(offset)
-                    self.lengths.append(len(ids))
-                    self.stats.tokens += len(ids)
-                    self.stats.truncated += full_length > max_length
-                offset += len(raw)
+        for number, position, rec in self.records.scan():
+            self.stats.records += 1
+            try:
+                if isinstance(rec, RecordError):
+                    raise rec
+                ids, mask, full_length = self.encoder.encode(record_messages(rec, self.format))
+            except RecordError as err:
+                self._skip(number, err)
+                continue
+            self.positions.append(position)
+            self.lengths.append(len(ids))
+            self.stats.tokens += len(ids)
+            self.stats.loss_tokens += sum(mask)
+            self.stats.truncated += full_length > max_length
         if self.stats.skipped or self.stats.truncated:
             log.warning(
                 "%s: %d usable of %d records; skipped %s; %d truncated to %d tokens",
                 self.path,
-                len(self.offsets),
+                len(self.positions),
                 self.stats.records,
                 dict(self.stats.skipped),
                 self.stats.truncated,
                 max_length,
             )
 
-    def _skip(self, line_no: int, err: RecordError) -> None:
+    def _skip(self, number: int, err: RecordError) -> None:
         self.stats.skipped[err.reason] += 1
         if self.stats.skipped[err.reason] <= WARNINGS_PER_REASON:
-            log.warning("%s:%d: skipped record (%s): %s", self.path, line_no, err.reason, err)
+            where = location(self.path, number)
+            log.warning("%s: skipped record (%s): %s", where, err.reason, err)
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return len(self.positions)
 
     def reader(self) -> SampleReader:
         """A reader with its own file handle (one per thread)."""
         return SampleReader(self)
 
 
+def location(path: str | Path, number: int) -> str:
+    """Where a record is, for messages: file:line for JSON lines, file:row N for tables."""
+    return f"{path}:row {number}" if Path(path).suffix.lower() in TABLE_SUFFIXES else f"{path}:{number}"
+
+
 class SampleReader:
     """Random access to tokenized samples by id; owns one open file handle."""
 
-    def __init__(self, dataset: JsonlDataset):
+    def __init__(self, dataset: ChatDataset):
         self.dataset = dataset
-        self.file = dataset.path.open("rb")
+        self.records = dataset.records.reader()
 
     def read(self, sample_id: int) -> tuple[list[int], list[int]]:
         """→ (input_ids, loss_mask) of one sample, truncated to max_length."""
         ds = self.dataset
-        self.file.seek(ds.offsets[sample_id])
-        messages = parse_record(self.file.readline().decode("utf-8"), ds.format)
+        messages = record_messages(self.records.get(ds.positions[sample_id]), ds.format)
         ids, mask, _ = ds.encoder.encode(messages)
         if len(ids) != ds.lengths[sample_id]:
             raise DataError(
@@ -216,17 +298,27 @@ class SampleReader:
         return ids, mask
 
     def close(self) -> None:
-        self.file.close()
+        self.records.close()
 
 
 def iter_messages(
     path: str | Path, fmt: Format = "chat", require_assistant: bool = True
 ) -> Iterator[tuple[int, list[Message]]]:
-    """(line number, messages) of every usable record; skipped lines are logged with file:line."""
-    path = Path(path)
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+    """(line or row number, messages) of every usable record; skipped ones are logged with their location.
+
+    The file is opened (and a missing, empty or unreadable one reported) at the call, not at the first item.
+    """
+    records = open_dataset_file(path, fmt)
+
+    def messages() -> Iterator[tuple[int, list[Message]]]:
+        for number, _, rec in records.scan():
             try:
-                yield line_no, parse_record(raw.decode("utf-8"), fmt, require_assistant)
-            except (RecordError, UnicodeDecodeError) as err:
-                log.warning("%s:%d: skipped record: %s", path, line_no, err)
+                if isinstance(rec, RecordError):
+                    raise rec
+                found = record_messages(rec, fmt, require_assistant)
+            except RecordError as err:
+                log.warning("%s: skipped record (%s): %s", location(path, number), err.reason, err)
+                continue
+            yield number, found
+
+    return messages()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from producer.data import JsonlDataset, SampleReader
+from producer.data import ChatDataset, SampleReader
 from producer.plan import PlannedBatch
 
 
@@ -69,7 +69,7 @@ class Prefetcher:
     """
 
     def __init__(
-        self, dataset: JsonlDataset, batches: Iterable[PlannedBatch], depth: int, poll_s: float = 0.1
+        self, dataset: ChatDataset, batches: Iterable[PlannedBatch], depth: int, poll_s: float = 0.1
     ):
         self.dataset = dataset
         self.batches = batches

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from demo.tiny import corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-from producer.data import ChatEncoder, DataError, JsonlDataset, iter_messages
+from producer.data import ChatDataset, ChatEncoder, DataError, iter_messages
 from producer.plan import BatchPlan
 from producer.prefetch import Prefetcher
 
@@ -95,7 +95,7 @@ def test_bad_records_are_skipped_with_file_and_line(tok, tmp_path, caplog):
     ]
     path.write_text("\n".join(lines) + "\n")
     with caplog.at_level(logging.WARNING, logger="producer.data"):
-        ds = JsonlDataset(path, "chat", ChatEncoder(tok, max_length=4096))
+        ds = ChatDataset(path, "chat", ChatEncoder(tok, max_length=4096))
     assert len(ds) == 2
     assert ds.stats.records == 8
     assert ds.stats.skipped == {"malformed": 3, "no_assistant": 1, "empty": 2}
@@ -113,7 +113,7 @@ def test_prompt_response_format_and_truncation_count(tok, tmp_path):
         tmp_path / "pr.jsonl",
         [{"prompt": "Why?", "response": "Because."}, {"prompt": "x " * 200, "response": "long one"}],
     )
-    ds = JsonlDataset(path, "prompt_response", ChatEncoder(tok, max_length=32))
+    ds = ChatDataset(path, "prompt_response", ChatEncoder(tok, max_length=32))
     assert len(ds) == 2 and ds.stats.truncated == 1
     assert ds.lengths[1] == 32
     plan = BatchPlan(ds.lengths, seed=0, epochs=1, tokens_per_batch=32, length_group_window=1)
@@ -125,10 +125,10 @@ def test_prompt_response_format_and_truncation_count(tok, tmp_path):
 def test_missing_and_empty_files_are_errors(tok, tmp_path):
     enc = ChatEncoder(tok, max_length=64)
     with pytest.raises(DataError, match="does not exist"):
-        JsonlDataset(tmp_path / "nope.jsonl", "chat", enc)
+        ChatDataset(tmp_path / "nope.jsonl", "chat", enc)
     (tmp_path / "bad.jsonl").write_text("nonsense\n")
     with pytest.raises(DataError, match="no usable record"):
-        JsonlDataset(tmp_path / "bad.jsonl", "chat", enc)
+        ChatDataset(tmp_path / "bad.jsonl", "chat", enc)
 
 
 def test_iter_messages_for_prompts_keeps_records_without_answers(tmp_path):
@@ -139,7 +139,7 @@ def test_iter_messages_for_prompts_keeps_records_without_answers(tmp_path):
 
 def test_prefetcher_delivers_the_plan_in_order(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", synthetic_chats(30, seed=2))
-    ds = JsonlDataset(path, "chat", ChatEncoder(tok, max_length=64))
+    ds = ChatDataset(path, "chat", ChatEncoder(tok, max_length=64))
     plan = BatchPlan(ds.lengths, seed=1, epochs=2, tokens_per_batch=256, length_group_window=2)
     reader = ds.reader()
     seen = []
@@ -158,7 +158,7 @@ def test_prefetcher_delivers_the_plan_in_order(tok, tmp_path):
 
 def test_prefetcher_reraises_worker_errors_and_times_out(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", synthetic_chats(4, seed=2))
-    ds = JsonlDataset(path, "chat", ChatEncoder(tok, max_length=64))
+    ds = ChatDataset(path, "chat", ChatEncoder(tok, max_length=64))
 
     def broken():
         raise OSError("disk gone")

@@ -69,7 +69,7 @@ def test_answers_stop_at_the_first_eos():
     class Tok:
         eos_token_id = 7
 
-        def apply_chat_template(self, c, tokenize, add_generation_prompt):
+        def apply_chat_template(self, c, tokenize, add_generation_prompt, **kwargs):
             return "p"
 
         def __call__(self, texts, **kw):
@@ -88,7 +88,7 @@ def test_answers_stop_at_the_first_eos():
         def generate(self, **kw):
             return torch.tensor([[0, 0, 5, 7, 9, 7], [0, 0, 5, 6, 4, 3]])
 
-    answers = _generate(Tok(), Model(), [[], []], None, {7})
+    answers = _generate(Tok(), Model(), [[], []], None, {7}, {})
     assert answers == [("5", 2, "stop"), ("5 6 4 3", 4, "length")]
 
 
