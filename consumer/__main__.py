@@ -67,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     except GroupError as err:
         log.error("%s", err)
         return 2
-    if cfg.distributed == "fsdp" and env.world_size > 1:
-        log.error("%s: drafter %s: distributed = 'fsdp' is not supported yet; use 'ddp' (every replica holds the"
-                  " whole drafter, gradients are all-reduced)", args.job, cfg.name)
-        return 2
     name = f"{cfg.name}_r{env.rank}"  # the global rank: unique across nodes, = the replica on one node
     device = torch.device(cfg.device_of(args.replica))
     if device.type == "cuda":
@@ -102,6 +98,8 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         return 2
     layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof)
+    if cfg.distributed == "fsdp":
+        group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
     ckpt_root = job.run_paths.checkpoints(cfg.name)
     if group.is_writer:  # a read-only or full disk is a clear error now, not a lost checkpoint hours later
         try:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from common.profile import ProfileStats
 
@@ -175,6 +176,7 @@ class ReplicaGroup:
         self.prof = prof
         self.bucket_bytes = bucket_bytes
         self.initialised = False
+        self._before_checkpoint: Callable[[], None] | None = None  # FSDP: the trainer's collective gather
         if env.world_size == 1:
             return
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -212,6 +214,21 @@ class ReplicaGroup:
                 f" one did not reach it within {self.timeout_s:.0f} s): {str(err).splitlines()[0][:300]}"
             ) from err
 
+    def shard(self, trainer) -> None:
+        """distributed = "fsdp": the trainer's weights, gradients and Adam moments sharded over the group
+        (FSDP2, Trainer.shard), from rank 0's weights. A group of one has nothing to shard: said, not hidden."""
+        if self.world_size == 1:
+            log.warning("drafter %s: distributed = 'fsdp' with a group of one replica: nothing to shard over,"
+                        " the drafter trains unsharded", trainer.cfg.name)
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.broadcast_params(trainer.params)
+        mesh = self._collective("the FSDP mesh set-up", lambda: init_device_mesh(self.device.type, (self.world_size,)))
+        trainer.shard(mesh)
+        self._before_checkpoint = trainer.gather_full_state
+        log.info("drafter %s: FSDP2 over %d replicas (%s)", trainer.cfg.name, self.world_size, self.device.type)
+
     def sync_round(self, mine: RoundFlags) -> RoundFlags:
         """Sum every replica's flags; the wait here is where replicas wait for each other (allreduce_wait)."""
         if self.world_size == 1:
@@ -226,15 +243,20 @@ class ReplicaGroup:
     def sum_grads(self, params: list[Tensor], weight: Tensor, loss: Tensor) -> None:
         """The trainer's grad_sync hook: Σ over replicas of every gradient, Σw and Σw·CE, in place.
 
-        A replica without a batch this step has no .grad: it contributes zeros.
+        A replica without a batch this step has no .grad: it contributes zeros. Sharded (FSDP) gradients
+        were already summed by FSDP's reduce-scatter: only Σw and Σw·CE travel then.
         """
         if self.world_size == 1:
             return
+        grads = []
         for p in params:
+            if isinstance(p, DTensor):
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         start = time.perf_counter()
-        tensors = [p.grad for p in params] + [weight.view(1), loss.view(1)]
+        tensors = [*grads, weight.view(1), loss.view(1)]
         for bucket in _buckets(tensors, self.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             self._collective("the gradient all-reduce", lambda flat=flat: dist.all_reduce(flat))
@@ -246,8 +268,10 @@ class ReplicaGroup:
             self.prof.add("allreduce_grads", time.perf_counter() - start)
 
     def broadcast_params(self, params: list[Tensor]) -> None:
-        """Rank 0's parameters everywhere: identical starting bits whatever each process loaded."""
-        if self.world_size == 1:
+        """Rank 0's parameters everywhere: identical starting bits whatever each process loaded. (FSDP shards
+        are cut from full weights broadcast before sharding and from the broadcast checkpoint: skipped.)"""
+        params = [p for p in params if not isinstance(p, DTensor)]
+        if self.world_size == 1 or not params:
             return
         for bucket in _buckets([p.data for p in params], self.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
@@ -283,7 +307,12 @@ class ReplicaGroup:
         return got["where"], got["state"]
 
     def gather_trained(self, seqs: list[int]) -> dict[int, list[int]]:
-        """Every replica's trained seqs, merged per node (each replica gets the same answer)."""
+        """Every replica's trained seqs, merged per node (each replica gets the same answer).
+
+        This is the collective that opens every checkpoint (ConsumerService._save), so under FSDP the
+        trainer's full state is gathered here too: gathering it is collective, writing it is rank 0's."""
+        if self._before_checkpoint is not None:
+            self._before_checkpoint()
         node = self.env.node_rank
         if self.world_size == 1:
             return {node: list(seqs)}
@@ -345,7 +374,8 @@ class GroupCheckpoint:
 # ---------------------------------------------------------------------------------------------- step trace
 class StepTrace:
     """One JSON line per optimizer step: seqs and sample ids this replica trained in it, and a digest of
-    its parameters. For tests and debugging (replicas compare digests); costs a device sync per step."""
+    its parameters. For tests and debugging (replicas compare digests); costs a device sync per step.
+    Under FSDP the digest is of the full weights, gathered: then every replica of the group must trace."""
 
     def __init__(self, path: str | Path, rank: int, node_rank: int):
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
@@ -355,7 +385,8 @@ class StepTrace:
     def write(self, step: int, seqs: list[int], samples: list[int], tokens: int, params: list[Tensor]) -> None:
         digest = hashlib.sha256()
         for p in params:
-            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            t = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            digest.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self.file.write(json.dumps({
             "rank": self.rank, "node": self.node_rank, "step": step, "seqs": seqs, "samples": samples,
             "tokens": tokens, "digest": digest.hexdigest()[:32], "time": time.time(),

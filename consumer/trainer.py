@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from common.config import DrafterConfig
+from consumer.distributed import GroupError
 from consumer.kernels import weighted_ce
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
+from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import attention_masks, build_draft_batch
-from consumer.mask_token import resolve_mask_token_id
 from consumer.target_parts import TargetParts
 
 log = logging.getLogger(__name__)
@@ -93,21 +94,10 @@ class Trainer:
         self.parts = dataclasses.replace(parts, embed_tokens=embed, lm_head=lm_head)  # no host copies kept
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
         self.model = DFlashDrafter(self.arch, embed, lm_head, init_seed=self.seed).to(self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in self.params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0},  # norm scales
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            functools.partial(
-                lr_factor,
-                total_steps=cfg.total_steps,
-                warmup_frac=cfg.warmup_frac,
-                min_lr_ratio=cfg.min_lr_ratio,
-            ),
-        )
+        self._build_optimizer()
+        self.mesh = None  # FSDP2's device mesh once `shard` ran: parameters are DTensor shards
+        self._deferred: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # FSDP: batches of the open step
+        self._full_state: tuple[int, dict, dict, Tensor] | None = None  # FSDP: (step, model, optim, rngs)
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
         self.metrics = DraftMetrics(cfg.block_size, self.device)
         # device-side skip bookkeeping: [skipped total, current run, longest run since read, run's first seq, last seq]
@@ -124,6 +114,123 @@ class Trainer:
         # (params, Σw, Σw·CE) → summed over the replicas in place, missing grads as zeros (consumer/distributed.py)
         self.grad_sync: Callable[[list[Tensor], Tensor, Tensor], None] | None = None
 
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in self.params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0},  # norm scales
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            functools.partial(
+                lr_factor,
+                total_steps=cfg.total_steps,
+                warmup_frac=cfg.warmup_frac,
+                min_lr_ratio=cfg.min_lr_ratio,
+            ),
+        )
+
+    # ------------------------------------------------------------------------------------------ FSDP2
+    def shard(self, mesh) -> None:
+        """FSDP2 (`fully_shard`) over `mesh`: each decoder layer and the root are sharded units, so a replica
+        holds 1/world of the weights, gradients and Adam moments. Call on every replica, before any step or
+        state load, with identical weights everywhere (the group broadcasts them first).
+
+        The step keeps its meaning: reduce-scatter SUMS the gradients (divide factor 1; the step divides by
+        the group's Σw as without sharding), clipping sees the global norm, the checkpoint holds full tensors
+        in the unsharded format. What changes: FSDP's forward is collective, so a replica cannot run a batch
+        when it arrives; `accumulate` keeps it and `optimizer_step` runs the step's batches in lockstep, a
+        replica with fewer batches running zero-weight stand-ins (see `_run_deferred`)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.step or self._pending_tokens:
+            raise RuntimeError(f"drafter {self.cfg.name}: shard() after training started")
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # a sum, as the unsharded group's all-reduce,
+                module.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
+        self.mesh = mesh
+        self._dummy_generator = torch.Generator(device=self.device)
+        self._build_optimizer()
+
+    def _collective(self, what: str, fn: Callable[[], object]):
+        try:
+            return fn()
+        except RuntimeError as err:
+            raise GroupError(f"drafter {self.cfg.name}: the replica group failed during {what} (a replica died"
+                             f" or timed out): {str(err).splitlines()[0][:300]}") from err
+
+    def _run_deferred(self) -> None:
+        """FSDP: forward + backward of this replica's batches of the step, in lockstep with the group. Every
+        replica runs as many passes as the one with the most batches; the missing ones are stand-ins of
+        zero weight (their own generator: the anchor RNG stays what it is without sharding). Gradients are
+        reduce-scattered once, after the last pass."""
+        import torch.distributed as dist
+
+        count = torch.tensor([len(self._deferred)], dtype=torch.int64)
+        self._collective("the batch-count all-reduce",
+                         lambda: dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.get_group()))
+        passes = int(count)
+        for i in range(passes):
+            self.model.set_requires_gradient_sync(i == passes - 1)
+            if i < len(self._deferred):
+                self._collective("an FSDP forward/backward", lambda i=i: self._forward_backward(*self._deferred[i]))
+            else:
+                self._collective("an FSDP forward/backward", self._stand_in_pass)
+        self._deferred.clear()
+
+    def _stand_in_pass(self) -> None:
+        T = 2 * self.cfg.block_size
+        hidden = torch.zeros(T, self.arch.num_features * self.arch.hidden_size, device=self.device)
+        ids = torch.zeros(T, dtype=torch.int64, device=self.device)
+        self._forward_backward(hidden, ids, torch.ones(T, dtype=torch.uint8, device=self.device),
+                               torch.tensor([0, T], dtype=torch.int32), stand_in=True)
+
+    def gather_full_state(self) -> None:
+        """FSDP: every replica calls this together before a checkpoint (ReplicaGroup.gather_trained does):
+        the full weights and Adam moments, gathered tensor by tensor to the CPU, in the unsharded format, and
+        every replica's anchor RNG (each drew for its own batches: a bit-exact resume needs them all)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        def full(t):
+            return t.full_tensor().cpu() if isinstance(t, DTensor) else _cpu_copy(t)
+
+        def gather():
+            model = {k: full(v) for k, v in self.model.state_dict().items()}
+            optim = self.optimizer.state_dict()
+            optim = {**optim, "state": {i: {k: full(v) for k, v in st.items()} for i, st in optim["state"].items()}}
+            rngs = [torch.empty_like(self._rng_at_step) for _ in range(self.mesh.size())]
+            dist.all_gather(rngs, self._rng_at_step, group=self.mesh.get_group())
+            return model, _cpu_copy(optim), torch.stack(rngs)
+
+        self._full_state = (self.step, *self._collective("the checkpoint gather", gather))
+
+    def _load_sharded(self, model: dict, optim: dict) -> None:
+        """FSDP: cut this replica's shards out of full tensors (every replica holds the same full state)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        def shard_like(full: Tensor, p) -> Tensor:
+            return distribute_tensor(full.to(self.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+
+        names = dict(self.model.named_parameters())
+        if set(names) != set(model):
+            raise ValueError(f"drafter {self.cfg.name}: checkpoint weights {sorted(set(model) ^ set(names))[:4]}"
+                             " do not match this drafter's")
+        with torch.no_grad():
+            for name, p in names.items():
+                p.copy_(shard_like(model[name], p))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {i: {k: shard_like(v, params[i]) if torch.is_tensor(v) and v.shape == params[i].shape and v.ndim
+                     else v for k, v in st.items()} for i, st in optim["state"].items()}
+        self.optimizer.load_state_dict({**optim, "state": state})
+
+    # ------------------------------------------------------------------------------------------ training
     def _timer(self, name: str):
         return self.prof.timer(name) if self.prof else contextlib.nullcontext()
 
@@ -154,13 +261,24 @@ class Trainer:
     def accumulate(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, seq: int) -> None:
         """Forward and backward of one packed batch; its gradients add up until `optimizer_step`.
         (Replica groups decide when to step together, so they call the two halves themselves.)"""
-        cfg, dev = self.cfg, self.device
         T = input_ids.numel()
         if hidden.shape != (T, self.arch.num_features * self.arch.hidden_size):
             raise ValueError(
                 f"batch seq {seq}: hidden has shape {tuple(hidden.shape)}, expected"
                 f" [{T}, {self.arch.num_features} × {self.arch.hidden_size}] (tokens × fused target layers)"
             )
+        self._pending_tokens += T
+        if self.prof:
+            self.prof.count("tokens", T)
+            self.prof.count("batches", 1)
+        if self.mesh is not None:  # FSDP: run in lockstep with the group at optimizer_step
+            self._deferred.append((hidden, input_ids, loss_mask, cu_seqlens))
+            return
+        self._forward_backward(hidden, input_ids, loss_mask, cu_seqlens)
+
+    def _forward_backward(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
+                          stand_in: bool = False) -> None:
+        cfg, dev = self.cfg, self.device
         with self._timer("anchors"):
             input_ids = input_ids.to(dev, torch.int64, non_blocking=True)
             loss_mask = loss_mask.to(dev, non_blocking=True)
@@ -175,7 +293,7 @@ class Trainer:
                 block_size=cfg.block_size,
                 mask_token_id=self.mask_token_id,
                 gamma=cfg.loss_gamma,
-                generator=self.generator,
+                generator=self._dummy_generator.manual_seed(0) if stand_in else self.generator,
                 partial_blocks=cfg.partial_blocks,
             )
             masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex)
@@ -185,21 +303,22 @@ class Trainer:
                 h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
             )
         with self._timer("backward"):
-            loss_sum.backward()
+            (loss_sum * 0.0 if stand_in else loss_sum).backward()  # a stand-in adds zero to every gradient
+        if stand_in:
+            return
         self._pending_loss += loss_sum.detach()
         self._pending_weight += batch.weights.sum()
         self.metrics.add(loss_sum, correct, batch.weights, batch.anchor_valid)
-        self._pending_tokens += T
         if self.prof:
-            self.prof.count("tokens", T)
             self.prof.count("anchors", batch.num_anchors)  # anchor slots, padding included (no sync)
-            self.prof.count("batches", 1)
 
     def optimizer_step(self, seq: int) -> dict[str, float] | None:
         """Close the step whose last batch is `seq`; returns the metrics dict on log steps, else None.
 
         `grad_sync`, when set, sums the gradients, Σw and Σw·CE over the replica group first.
         """
+        if self.mesh is not None:
+            self._run_deferred()
         if self.grad_sync is not None:
             self.grad_sync(self.params, self._pending_weight, self._pending_loss)
         with self._timer("optimizer"):
@@ -211,6 +330,8 @@ class Trainer:
         grads = [p.grad for p in self.params]
         torch._foreach_mul_(grads, inv_weight)
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+        if self.mesh is not None:  # a replicated DTensor: the same global norm on every replica
+            self._grad_norm = self._grad_norm.full_tensor()
         bad = ~(torch.isfinite(self._grad_norm) & torch.isfinite(self._pending_loss))
         self.optimizer.found_inf = bad.float()  # fused AdamW skips the whole update when set
         self.optimizer.step()
@@ -279,11 +400,22 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-for-bit, as of the last completed step
-        (batches accumulated since then are not in it: resume replays them from last_seq + 1)."""
+        (batches accumulated since then are not in it: resume replays them from last_seq + 1).
+        Under FSDP: the full state `gather_full_state` took at this step (gathering is collective)."""
+        sharded = {}
+        if self.mesh is None:
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
+        elif self._full_state is None or self._full_state[0] != self.step:
+            raise RuntimeError(f"drafter {self.cfg.name}: no full FSDP state gathered at step {self.step}: every"
+                               " replica calls gather_full_state() before a checkpoint")
+        else:
+            _, model, optim, rngs = self._full_state
+            sharded = {"rng_replicas": rngs}  # [world, n]: replica r's anchor RNG in row r
         return _cpu_copy(
             {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                **sharded,
+                "model": model,
+                "optimizer": optim,
                 "scheduler": self.scheduler.state_dict(),
                 "rng": self._rng_at_step,
                 "last_seq": self.last_seq,
@@ -296,8 +428,10 @@ class Trainer:
         )
 
     def non_finite_params(self) -> list[str]:
-        """Names of the parameters holding NaN/Inf (one device sync: for load time and error paths only)."""
-        return [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        """Names of the parameters holding NaN/Inf (one device sync: for error paths only; under FSDP this
+        replica's shards)."""
+        local = {name: p.to_local() if self.mesh is not None else p for name, p in self.model.named_parameters()}
+        return [name for name, p in local.items() if not bool(torch.isfinite(p).all())]
 
     def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
         """Load a state_dict() taken earlier; `source` (the checkpoint's path) is named in every error."""
@@ -306,17 +440,24 @@ class Trainer:
                 raise ValueError(
                     f"drafter {self.cfg.name}: {source} has {key}={state[key]}, this job has {mine}"
                 )
-        self.model.load_state_dict(state["model"])
-        bad = self.non_finite_params()
+        bad = [k for k, v in state["model"].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:  # training on would skip every step and then blame the batches: say what is wrong now
             raise NonFiniteCheckpointError(
                 f"drafter {self.cfg.name}: the weights loaded from {source} are non-finite"
                 f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); resume from an earlier checkpoint"
             )
-        self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))  # never shares the caller's tensors
+        if self.mesh is not None:
+            self._load_sharded(state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))  # never shares the caller's tensors
         self.scheduler.load_state_dict(state["scheduler"])
-        self.generator.set_state(state["rng"])
-        self._rng_at_step = state["rng"].clone()
+        rng = state["rng"]
+        if self.mesh is not None and len(state.get("rng_replicas", ())) == self.mesh.size():
+            rng = state["rng_replicas"][self.mesh.get_local_rank()].clone()  # its own anchor stream (a copy:
+            # set_state on a row view of the stacked tensor crashed the process)
+        self.generator.set_state(rng)
+        self._rng_at_step = rng.clone()
         self.last_seq, self.step, self.tokens = state["last_seq"], state["step"], state["tokens"]
         self._nonfinite.zero_()
         self._nonfinite[0] = state["nonfinite_skipped"]
@@ -325,3 +466,4 @@ class Trainer:
         self._pending_loss.zero_()
         self._pending_weight.zero_()
         self._pending_tokens = 0
+        self._deferred.clear()

@@ -26,10 +26,11 @@ SAMPLES = 240  # tiny_assets' chats
 pytestmark = pytest.mark.slow
 
 
-def drafter(replicas: int, checkpoint_every: int = 10) -> str:
+def drafter(replicas: int, checkpoint_every: int = 10, distributed: str = "ddp") -> str:
     return f"""
 [[drafters]]
 name = "d0"
+distributed = "{distributed}"
 block_size = 8
 num_layers = 1
 anchors_per_seq = 16
@@ -103,11 +104,13 @@ def seqs_of(*traces: list[dict]) -> list[int]:
     return sorted(s for tr in traces for row in tr for s in row["seqs"])
 
 
-def test_two_replicas_hold_identical_parameters_and_train_the_stream_exactly_once(assets, tmp_path):
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_two_replicas_hold_identical_parameters_and_train_the_stream_exactly_once(assets, tmp_path, distributed):
     """Two replicas, one producer; SIGTERM to one replica stops the whole group at a step boundary with a
     checkpoint (both exit 0), and the restarted group finishes the stream: every batch once, parameters
-    identical after every step. 85 batches: odd, so a replica joins a step with nothing."""
-    job = write_job(assets, drafters=drafter(2), name="rep2")
+    identical after every step. 85 batches: odd, so a replica joins a step with nothing. Under FSDP2 the
+    weights are sharded and the digests are of the gathered full weights: the same rounds, the same proof."""
+    job = write_job(assets, drafters=drafter(2, distributed=distributed), name="rep2")
     run = job.parent
     ckpts = run / "checkpoints" / "d0"
     plog = tmp_path / "p.log"
@@ -146,6 +149,7 @@ def test_two_replicas_hold_identical_parameters_and_train_the_stream_exactly_onc
     c0, c1 = logs[1][0].read_text(), logs[1][1].read_text()
     assert "checkpoint at step" in c0 and "checkpoint at step" not in c1  # rank 0 alone writes
     assert "allreduce_wait" in c0 and "allreduce_wait" in c1  # the wait at the all-reduce is profiled
+    assert ("FSDP2 over 2 replicas" in c0) == (distributed == "fsdp")
 
 
 def test_two_nodes_train_disjoint_covering_shards_with_identical_parameters(assets, tmp_path):
