@@ -120,9 +120,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process, with static shapes: the masks and q/k/v are padded to
+    length buckets (consumer.objective.flex_bucket), so each (bucket, window) compiles one graph and
+    every later batch of that bucket reuses it, never reaching the recompile limit (past which Dynamo
+    would fall back to eager flex and materialise the full score matrix)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _flex_attention(device_type: str):
     # eager flex materialises the scores; compiled it is a fused block-sparse kernel
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    return compiled_flex_attention() if device_type == "cuda" else flex_attention
 
 
 def _dense_attend(q: Tensor, k: Tensor, v: Tensor, key_index: Tensor, allowed: Tensor) -> Tensor:

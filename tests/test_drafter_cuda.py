@@ -5,6 +5,7 @@ these tests run the compiled kernel and its autotune configs."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -85,3 +86,43 @@ def test_trainer_on_gpu_learns_with_flex_and_bf16(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
     if not weighted_ce.INTERPRET:
         assert any((tmp_path / "triton-cache").iterdir())  # compiled kernels land in the run's cache
+
+
+def test_flex_training_compiles_once_per_bucket_and_keeps_memory_bounded(tmp_path):
+    """24 training batches of varying lengths (sliding and full layers): compiled FlexAttention and its
+    block-mask builder compile once per (length bucket, layer kind), a second round of batches in the
+    same buckets compiles nothing, and peak memory stays far below the dense score matrix that an eager
+    fallback (past Dynamo's recompile limit) would materialise."""
+    import consumer.model as cm
+    from torch._dynamo.utils import counters
+
+    from consumer.objective import flex_bucket
+
+    torch._dynamo.reset()
+    counters.clear()
+    cm.compiled_flex_attention.cache_clear()
+    model = tiny_target(tmp_path / "t")
+    cfg = drafter_cfg(block_size=16, num_layers=2, anchors_per_seq=64, sliding_window=64,
+                      layer_types=["sliding_attention", "full_attention"])
+    trainer = Trainer(cfg, load_target_parts(tmp_path / "t"), LAYER_IDS, "cuda")
+    assert trainer.use_flex
+    g = torch.Generator().manual_seed(0)
+
+    def run(batches: int, first_seq: int) -> set[tuple[int, int]]:
+        buckets = set()
+        for i in range(batches):
+            seqs = [torch.randint(0, 500, (int(n),), generator=g) for n in torch.randint(70, 126, (3,), generator=g)]
+            ids, mask, cu = packed(seqs)
+            out = trainer.train_batch(target_features(model, seqs), ids, mask, cu, seq=first_seq + i)
+            assert out is not None and math.isfinite(out["loss"])
+            buckets.add((flex_bucket(ids.numel()), flex_bucket(3 * 64 * 16)))
+        return buckets
+
+    torch.cuda.reset_peak_memory_stats()
+    buckets = run(24, 0)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= len(buckets) <= 2 and graphs <= 4 * len(buckets), (buckets, dict(counters["stats"]))
+    assert run(12, 24) <= buckets and counters["stats"]["unique_graphs"] == graphs  # nothing new compiled
+    Tp, Qp = max(buckets)
+    dense_scores = 4 * Qp * (Tp + Qp) * 4  # heads × rows × keys × fp32, one layer
+    assert torch.cuda.max_memory_allocated() < dense_scores / 4, (torch.cuda.max_memory_allocated(), dense_scores)

@@ -363,3 +363,40 @@ def test_flex_and_dense_agree_with_sliding_layers():
     valid = batch.anchor_valid.repeat_interleave(4)
     torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-5, atol=1e-5)
     assert (dense[valid] - no_window[valid]).abs().max() > 1e-3  # the window changes what layers see
+
+
+@pytest.mark.slow
+def test_compiled_flex_compiles_once_per_bucket_and_window_on_the_cpu(monkeypatch):
+    """torch.compile(flex_attention) over 8 batches of varying lengths and sequence counts (one length
+    bucket) builds one graph per layer kind, not one per batch, and gives the dense path's output.
+    (The old per-batch mask closure over the batch's token count recompiled for every new length.)
+    Forward only: FlexAttention has no CPU backward; tests/test_drafter_cuda.py trains on a GPU."""
+    import consumer.model as cm
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(cm, "_flex_attention", lambda device_type: cm.compiled_flex_attention())
+    torch.manual_seed(0)
+    arch = DrafterArch(32, 4, 2, 8, 64, 2, 2, 1e-6, 1e6, layer_types=("sliding_attention", "full_attention"),
+                       sliding_window=16)
+    model = DFlashDrafter(arch, torch.randn(128, 32), torch.randn(128, 32))
+    g = torch.Generator().manual_seed(0)
+    shapes = set()
+    for _ in range(8):
+        lengths = torch.randint(5, 40, (int(torch.randint(1, 4, (), generator=g)),), generator=g).tolist()
+        Tn = sum(lengths)
+        batch = build_draft_batch(
+            torch.randint(0, 120, (Tn,), generator=g), torch.ones(Tn, dtype=torch.uint8),
+            torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), anchors_per_seq=6, block_size=4,
+            mask_token_id=127, gamma=4.0, generator=g,
+        )
+        shapes.add((Tn, batch.num_anchors))
+        args = (torch.randn(Tn, 64), batch.ctx_pos, batch.block_ids, batch.block_pos)
+        with torch.no_grad():
+            flex = model(*args, attention_masks(batch, arch.attention_layers, 16, flex=True))
+            dense = model(*args, attention_masks(batch, arch.attention_layers, 16, flex=False))
+        valid = batch.anchor_valid.repeat_interleave(4)
+        torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-4, atol=1e-4)
+    assert len(shapes) >= 6  # the batches really differ
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # full and sliding, once each
