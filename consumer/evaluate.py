@@ -69,6 +69,9 @@ def load_drafter(
         layer_ids = list(cfg["dflash_config"]["target_layer_ids"])
         mask_token_id = int(cfg["dflash_config"]["mask_token_id"])
         block_size = int(cfg["block_size"])
+        rope = dict(cfg.get("rope_parameters") or {"rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})})
+        theta = float(rope.pop("rope_theta"))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         arch = DrafterArch(
             hidden_size=int(cfg["hidden_size"]),
             num_heads=int(cfg["num_attention_heads"]),
@@ -78,7 +81,11 @@ def load_drafter(
             num_layers=int(cfg["num_hidden_layers"]),
             num_features=len(layer_ids),
             rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=float(cfg["rope_theta"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
+            sliding_window=cfg.get("sliding_window") if "sliding_attention" in (cfg.get("layer_types") or []) else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         )
     except KeyError as err:
         raise KeyError(f"{path / 'config.json'}: required field {err.args[0]!r} is missing") from None

@@ -12,6 +12,7 @@ With temperature 0 the output equals plain greedy decoding token for token (up t
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import dataclass
@@ -37,54 +38,49 @@ class TargetRunner:
     """A frozen HF causal LM run with a KV cache, returning logits and the captured target features.
 
     Feature i is HF hidden_states[i+1], as producer/target.py captures it for training: the output of
-    decoder layer i, final-normed when i is the last layer (that is what HF reports for it).
+    decoder layer i, final-normed when i is the last layer (that is what HF reports for it). Any causal
+    LM whose forward reports hidden states works, multimodal wrappers included (their text config
+    gives the depth).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
-        layers = model.model.layers
-        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        depth = model.config.get_text_config().num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= i < depth]
         if bad:
-            raise ValueError(f"target layer ids {bad} are outside the target's {len(layers)} layers")
+            raise ValueError(f"target layer ids {bad} are outside the target's {depth} layers")
         self.model = model.eval()
         self.layer_ids = list(layer_ids)
-        self._captured: dict[int, Tensor] | None = None
         # transformers 5 renamed past_key_values to cache (the old name is deprecated)
         self._cache_kw = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
-        for k, i in enumerate(self.layer_ids):
-            module = model.model.norm if i == len(layers) - 1 else layers[i]
-            module.register_forward_hook(self._hook(k))
-
-    def _hook(self, k: int):
-        def hook(_module, _args, output) -> None:
-            if self._captured is not None:
-                self._captured[k] = output[0] if isinstance(output, tuple) else output  # [1, L, H]
-
-        return hook
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
+        cache.activate_past_recording()  # sliding-window layers can then be rolled back
+        return cache
 
     @torch.inference_mode()
     def forward(self, ids: Tensor, cache: DynamicCache, capture: bool) -> tuple[Tensor, Tensor | None]:
         """ids [L] at the positions after the cache -> (logits [L, V], features [L, n·H] or None)."""
-        self._captured = {} if capture else None
-        try:
-            logits = self.model(input_ids=ids[None], use_cache=True, **{self._cache_kw: cache}).logits[0]
-            feats = (
-                torch.cat([self._captured[k][0] for k in range(len(self.layer_ids))], -1) if capture else None
-            )
-        finally:
-            self._captured = None
-        return logits, feats
+        out = self.model(input_ids=ids[None], use_cache=True, output_hidden_states=capture, **{self._cache_kw: cache})
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], -1) if capture else None
+        return out.logits[0], feats
 
+    def save_point(self, cache: DynamicCache) -> DynamicCache | None:
+        """What `rollback` needs: None when crop can undo a forward, else a copy of the cache (linear-attention
+        layers keep a recurrent state that no crop can take back)."""
+        return None if cache.is_croppable else copy.deepcopy(cache)
 
-def crop_cache(cache: DynamicCache, keep: int) -> None:
-    """Keep the first `keep` positions (a negative crop removes tokens in every transformers version)."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
+    def rollback(self, cache: DynamicCache, saved: DynamicCache | None, fed: Tensor, keep: int) -> DynamicCache:
+        """The cache as if only the first `keep` of the ids `fed` since `save_point` had been fed."""
+        if saved is None:
+            cache.crop(-(fed.numel() - keep))  # crop(0) also trims sliding layers back to their window
+            return cache
+        if keep < fed.numel():
+            self.forward(fed[:keep], saved, capture=False)
+            return saved
+        return cache
 
 
 def _finish(new: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
@@ -142,12 +138,15 @@ def speculative_generate(
         drafts = drafter.propose(context, tokens).to(tokens.device, tokens.dtype)
         if drafts.shape != (B - 1,):
             raise ValueError(f"drafter proposed shape {tuple(drafts.shape)}, expected ({B - 1},)")
-        logits, feats = target.forward(torch.cat([tokens[-1:], drafts]), cache, capture=True)
+        verify = torch.cat([tokens[-1:], drafts])
+        saved = target.save_point(cache)
+        logits, feats = target.forward(verify, cache, capture=True)
         forwards += 1
         choice = logits.argmax(-1)  # [B]: choice[k] is the target's token for position p+k+1
         a = int(torch.cumprod((drafts == choice[:-1]).int(), 0).sum())
         accepted = torch.cat([drafts[:a], choice[a : a + 1]])  # a+1 tokens
-        crop_cache(cache, tokens.shape[0] + a)  # positions 0..p+a are verified
+        cache = target.rollback(cache, saved, verify, a + 1)  # positions 0..p+a are verified
+        forwards += int(saved is not None and a + 1 < B)  # a rolled-back linear-attention cache is re-fed
         context = torch.cat([context, feats[: a + 1]])
         tokens = torch.cat([tokens, accepted])
         new += accepted.tolist()

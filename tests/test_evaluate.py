@@ -211,3 +211,40 @@ def test_cli_on_saved_target_and_exported_drafter(tmp_path, capsys):
     assert rc == 0
     assert out["lossless"] and out["prompts"] == 2 and out["block_size"] == 4
     assert 1.0 <= out["tau"] <= 4 and sum(out["tau_histogram"]) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_vl", "gpt_oss"])
+def test_hybrid_wrapper_and_sink_targets_with_a_sliding_drafter(tmp_path, arch):
+    """dflash-eval on the Qwen3.6-27B form (multimodal wrapper, Gated DeltaNet layers whose cache cannot be
+    cropped: rolled back from a copy) and gpt-oss (sliding layers, sinks), with a drafter that has sliding
+    layers and yarn RoPE: lossless, and load_drafter rebuilds the drafter the export describes (its drafts
+    equal the AutoModel export's)."""
+    import transformers
+    from target_zoo import build_target
+
+    from consumer.checkpoint import export_config, write_export
+    from consumer.evaluate import load_drafter, load_target
+    from consumer.target_parts import load_target_parts
+
+    path = build_target(arch, tmp_path / "target")
+    parts = load_target_parts(path)
+    arch_ = DrafterArch(64, 4, 2, 16, 128, 2, 2, 1e-6, 1e7, layer_types=("sliding_attention", "full_attention"),
+                        sliding_window=6, max_position_embeddings=parts.max_position_embeddings,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": parts.max_position_embeddings // 4})
+    model = DFlashDrafter(arch_, parts.embed_tokens, parts.lm_head, init_seed=1)
+    cfg = export_config(arch_, parts, block_size=4, mask_token_id=3, target_layer_ids=[0, 2], dtype="float32")
+    write_export(tmp_path, model.state_dict(), cfg)
+    proposer = load_drafter(tmp_path, path)
+    assert proposer.model.arch == arch_
+    runner = load_target(path, [0, 2])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 260, (n,), generator=g).tolist() for n in (5, 11)]
+    report = evaluate(runner, proposer, prompts, max_new_tokens=10, eos_token_id=None, warmup=False)
+    assert report.lossless, report.mismatches
+    feats = runner.forward(torch.tensor(prompts[1]), runner.new_cache(), capture=True)[1]
+    block = torch.tensor([prompts[1][-1], 3, 3, 3])
+    export = transformers.AutoModel.from_pretrained(str(tmp_path), trust_remote_code=True, local_files_only=True)
+    with torch.no_grad():
+        h = export(noise_embedding=parts.embed_tokens[block][None], target_hidden=feats[None, :10])
+    torch.testing.assert_close(h[0] @ parts.lm_head.T, proposer.model.draft(feats[:10], block), rtol=1e-4, atol=1e-4)
