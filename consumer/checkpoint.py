@@ -4,7 +4,7 @@
                          model.safetensors   trained weights only (no embedding, no lm_head), export dtype
                          dflash.py           modeling file for AutoModel + trust_remote_code
                          trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq
-                         manifest.json       size and sha256 of each file above, written last
+                         manifest.json       size and xxh3-128 digest of each file above, written last
     <ckpt_root>/latest                       "step_<N>", replaced atomically after the directory is complete
 
 A checkpoint is written into a temporary directory next to its final place, fsynced, then renamed;
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -44,6 +44,7 @@ from consumer.target_parts import TargetParts
 EXPORT_MODULE = Path(__file__).parent / "export" / "dflash.py"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+DIGEST = "xxh3_128"
 EXPORT_FILES = ("config.json", "model.safetensors", "dflash.py")
 LATEST = "latest"
 CORRUPT_PREFIX = "corrupt-"
@@ -235,14 +236,19 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
+def _digest(path: Path) -> str:
+    """xxh3-128 of the file: it catches corruption (torn or flipped bytes), not tampering (whoever can write
+    the file can write the manifest), at ~5× sha256's speed (2.3 vs 0.45 GB/s measured on the test machine)."""
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_manifest(out_dir: Path, names: tuple[str, ...]) -> None:
-    """manifest.json: size and sha256 of each file, written after them (a checkpoint without it is incomplete)."""
-    files = {n: {"bytes": (out_dir / n).stat().st_size, "sha256": _sha256(out_dir / n)} for n in names}
+    """manifest.json: size and digest of each file, written after them (a checkpoint without it is incomplete)."""
+    files = {n: {"bytes": (out_dir / n).stat().st_size, DIGEST: _digest(out_dir / n)} for n in names}
     (out_dir / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1) + "\n")
     _fsync_file(out_dir / MANIFEST)
 
@@ -261,7 +267,7 @@ def _check_manifest(path: Path) -> None:
         raise CheckpointCorrupt(f"{manifest} is missing: the checkpoint is incomplete or was written without one")
     try:
         files = json.loads(manifest.read_text())["files"]
-        wanted = {str(n): (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
+        wanted = {str(n): (int(f["bytes"]), str(f[DIGEST])) for n, f in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointCorrupt(f"{manifest} is unreadable ({type(err).__name__}: {err})") from None
     for name in (*EXPORT_FILES, STATE_FILE):
@@ -273,8 +279,9 @@ def _check_manifest(path: Path) -> None:
             raise CheckpointCorrupt(f"{file} is missing (listed in {MANIFEST})")
         if file.stat().st_size != size:
             raise CheckpointCorrupt(f"{file} has {file.stat().st_size} bytes, {MANIFEST} says {size} (truncated?)")
-        if _sha256(file) != digest:
-            raise CheckpointCorrupt(f"{file} does not match its sha256 in {MANIFEST} (changed after it was written)")
+        if _digest(file) != digest:
+            raise CheckpointCorrupt(f"{file} does not match its {DIGEST} digest in {MANIFEST} (changed after it was"
+                                    " written)")
 
 
 def _non_finite(tensors: dict, where: str) -> str | None:

@@ -60,7 +60,7 @@ def test_manifest_is_written_last_and_lists_every_file(setup, tmp_path):
     manifest = json.loads((newer / MANIFEST).read_text())
     assert sorted(manifest["files"]) == ["config.json", "dflash.py", "model.safetensors", STATE_FILE]
     for name, entry in manifest["files"].items():
-        assert entry["bytes"] == (newer / name).stat().st_size and len(entry["sha256"]) == 64
+        assert entry["bytes"] == (newer / name).stat().st_size and len(entry["xxh3_128"]) == 32
     newest = max(newer.iterdir(), key=lambda p: p.stat().st_mtime_ns)
     assert newest.name == MANIFEST
     assert load_latest(tmp_path).path == newer and load_latest(tmp_path).skipped == ()
@@ -131,7 +131,7 @@ def test_manifest_mismatch_falls_back(setup, tmp_path, caplog):
     data[-1] ^= 0xFF  # same size, other bytes
     export.write_bytes(bytes(data))
     assert load_latest(tmp_path).path == older
-    assert f"{export} does not match its sha256 in {MANIFEST}" in caplog.text
+    assert f"{export} does not match its xxh3_128 digest in {MANIFEST}" in caplog.text
 
 
 def test_missing_manifest_falls_back(setup, tmp_path, caplog):

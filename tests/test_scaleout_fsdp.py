@@ -85,3 +85,14 @@ def test_fsdp_checkpoint_is_the_unsharded_format(result):
     for name, p in plain.model.named_parameters():
         assert p.shape == ckpt.state["model"][name].shape and torch.equal(p.detach(), ckpt.state["model"][name])
     assert set(ckpt.state["optimizer"]["state"]) == set(range(len(plain.params)))
+
+
+def test_fsdp_with_one_replica_says_it_trains_unsharded(result, caplog):
+    from consumer.distributed import GroupEnv, ReplicaGroup
+
+    tmp, _ = result
+    trainer = Trainer(drafter_cfg(num_layers=1, distributed="fsdp"), load_target_parts(tmp / "target"), LAYER_IDS,
+                      "cpu")
+    ReplicaGroup(GroupEnv(0, 1, 0, 0, 1, "127.0.0.1", 0), torch.device("cpu")).shard(trainer)
+    assert "distributed = 'fsdp' with a group of one replica: nothing to shard over" in caplog.text
+    assert trainer.mesh is None and all(type(p) is torch.nn.Parameter for p in trainer.params)
