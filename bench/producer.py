@@ -36,21 +36,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: its folder (bench/) would shadow the producer package
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import argparse  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import itertools
+import json
+import tempfile
+import time
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
 
-from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl  # noqa: E402
-from producer.data import ChatDataset, ChatEncoder  # noqa: E402
-from producer.plan import BatchPlan  # noqa: E402
-from producer.prefetch import Prefetcher, pack_batch  # noqa: E402
-from producer.target import load_target  # noqa: E402
+from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
+from producer.data import ChatDataset, ChatEncoder
+from producer.plan import BatchPlan
+from producer.prefetch import Prefetcher, pack_batch
+from producer.target import load_target
 
 TOKENS_PER_BATCH = 2048
 MAX_LENGTH = 512
