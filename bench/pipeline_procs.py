@@ -29,12 +29,15 @@ RUN_TIMEOUT_S = 600.0
 
 
 def child_env() -> dict[str, str]:
-    """One thread per process, no Triton interpreter (tests set it; the CPU trainer would run it)."""
+    """One thread per process (the two-thread serial baseline sets its own), passive OpenMP waits (a thread
+    spinning at a barrier would burn the core its descheduled partner needs on a shared VM), no Triton
+    interpreter (tests set it; the CPU trainer would run it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     path = [str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
     env.update(
         PYTHONPATH=os.pathsep.join(path),
         OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
         MKL_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
         WANDB_MODE="disabled",
