@@ -69,6 +69,7 @@ def export_config(
     non-causal, sliding ones included; bos/eos are the target's."""
     kinds = list(arch.attention_layers)
     sliding = "sliding_attention" in kinds
+    scaling = {k: v for k, v in arch.rope_parameters.items() if k != "rope_theta"} if arch.rope_scaling else None
     return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -86,7 +87,7 @@ def export_config(
         "hidden_act": "silu",
         "rms_norm_eps": arch.rms_norm_eps,
         "rope_theta": arch.rope_theta,
-        "rope_scaling": arch.rope_parameters if arch.rope_scaling else None,
+        "rope_scaling": scaling,
         "rope_parameters": arch.rope_parameters,
         "max_position_embeddings": parts.max_position_embeddings,
         "attention_bias": False,

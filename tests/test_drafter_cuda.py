@@ -93,9 +93,9 @@ def test_flex_training_compiles_once_per_bucket_and_keeps_memory_bounded(tmp_pat
     block-mask builder compile once per (length bucket, layer kind), a second round of batches in the
     same buckets compiles nothing, and peak memory stays far below the dense score matrix that an eager
     fallback (past Dynamo's recompile limit) would materialise."""
-    import consumer.model as cm
     from torch._dynamo.utils import counters
 
+    import consumer.model as cm
     from consumer.objective import flex_bucket
 
     torch._dynamo.reset()

@@ -146,7 +146,14 @@ def test_an_optimizer_step_normalises_by_the_weight_sum_of_all_its_batches(tmp_p
     optimizer sees must be ∇(Σ_batches Σ w·CE / Σ_batches Σ w), computed here independently (the
     full-logits loss on a copy of the model, the same anchors). Dropping the 1/Σw, dividing by the token
     count, or normalising each batch by its own Σw all give a different gradient."""
-    from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
+    from test_drafter_common import (
+        LAYER_IDS,
+        distinct_seqs,
+        drafter_cfg,
+        packed,
+        target_features,
+        tiny_target,
+    )
 
     from consumer.objective import attention_masks, build_draft_batch
     from consumer.target_parts import load_target_parts

@@ -17,6 +17,7 @@ from consumer.checkpoint import save_checkpoint
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 
+
 def load_target(arch: str, path):
     """As a user loads it: the multimodal wrapper (the Qwen3.6-27B form) as its own class, the rest as causal LMs."""
     cls = transformers.Qwen3_5ForConditionalGeneration if arch == "qwen3_5_vl" else transformers.AutoModelForCausalLM

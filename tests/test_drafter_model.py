@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_drafter_common import TINY, tiny_target
 
+from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import build_draft_batch, dense_mask
-from consumer.mask_token import resolve_mask_token_id
 from consumer.target_parts import TargetPartsError, load_target_parts
 
 

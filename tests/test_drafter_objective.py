@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from consumer.model import DFlashDrafter, DrafterArch
-from consumer.objective import attention_masks, build_draft_batch, dense_mask, flex_bucket, flex_mask, slot_weights
+from consumer.objective import (
+    attention_masks,
+    build_draft_batch,
+    dense_mask,
+    flex_bucket,
+    flex_mask,
+    slot_weights,
+)
 
 MASK = 99
 B = 3
@@ -217,7 +224,7 @@ def test_partial_block_anchors_and_weights_of_the_hand_batch():
     """The default rule: an anchor needs loss_mask 1 at p and p+1 inside its sequence; its block may run
     past the end. Seq 0 (S=6, loss_mask 0 only at p=0) -> p in {1, 2, 3, 4} (p=5 has no p+1);
     seq 1 (loss_mask [1, 1, 0, 1]) -> p=0 only (p=1: loss_mask[2]=0; p=3: no p+1)."""
-    batch, ids, _ = hand_batch(partial_blocks=True)
+    batch, _, _ = hand_batch(partial_blocks=True)
     assert batch.anchor_tok.tolist() == [1, 2, 3, 4, 6, 6, 6, 6]
     assert batch.anchor_valid.tolist() == [True, True, True, True, True, False, False, False]
     w1 = math.exp(-1 / 2.0)
@@ -371,8 +378,9 @@ def test_compiled_flex_compiles_once_per_bucket_and_window_on_the_cpu(monkeypatc
     bucket) builds one graph per layer kind, not one per batch, and gives the dense path's output.
     (The old per-batch mask closure over the batch's token count recompiled for every new length.)
     Forward only: FlexAttention has no CPU backward; tests/test_drafter_cuda.py trains on a GPU."""
-    import consumer.model as cm
     from torch._dynamo.utils import counters
+
+    import consumer.model as cm
 
     torch._dynamo.reset()
     counters.clear()
