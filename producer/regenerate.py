@@ -9,9 +9,7 @@ Two engines: `--target DIR` runs transformers' generate in this process (small j
 the prompts to an OpenAI-compatible server (vLLM, SGLang, `transformers serve`) with N requests in flight
 (producer/regenerate_server.py). Both write the same records and resume the same way.
 
-Local path:
-
-Resumable: each record is appended with one write on an O_APPEND descriptor and fsynced per batch; on start
+Local path: resumable: each record is appended with one write on an O_APPEND descriptor and fsynced per batch; on start
 a truncated last line (a crash mid-write) is cut off and prompts already written are skipped. Prompts are
 batched by their position in the input, never by what is left to do, and sampling is seeded per batch, so a
 resumed run recomputes exactly the batches an uninterrupted one would and writes the same file.
@@ -309,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"producer regenerate: {err}; the records written so far are kept: rerun the same command to"
               " resume", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("producer regenerate: interrupted; the records written so far are kept: rerun the same command to"
+              " resume", file=sys.stderr)
+        return 130
     except (DataError, TargetLoadError) as err:
         print(f"producer regenerate: {err}", file=sys.stderr)
         return 2

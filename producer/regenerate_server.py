@@ -91,7 +91,7 @@ class Progress:
         eta = f"{left / rate:.0f} s" if rate > 0 else "?"
         print(
             f"regenerate: {s.already_done + s.written}/{s.already_done + self.todo} records"
-            f" ({s.already_done} were present), {rate:.2f} records/s,"
+            f" ({s.already_done} were present), {rate:.3f} records/s,"
             f" {s.new_tokens / max(s.seconds, 1e-9):.1f} tokens/s, ETA {eta}, {len(s.failed)} failed",
             flush=True,
         )
