@@ -122,15 +122,20 @@ stop_all() {  # signal: TERM everyone, wait up to the grace period, then KILL wh
   return 1
 }
 
-on_signal() {
+# A signal only sets stop_sig; the loop below acts on it. (bash 5.2's `wait` reports a status of -1 for a
+# child that exited while `wait -n` was interrupted by the signal: that status is unknown, not a failure.)
+stop_sig=""
+trap 'stop_sig=SIGTERM' TERM
+trap 'stop_sig=SIGINT' INT
+stop_on_signal() {
   trap '' INT TERM
-  echo "launch.sh: $1 received: stopping the job (grace ${grace}s)"
+  echo "launch.sh: $stop_sig received: stopping the job (grace ${grace}s)"
   local status=0 p st
   stop_all TERM || status=137
   for p in "${pids[@]}"; do
     wait "$p" 2>/dev/null
     st=$?
-    if [[ ${critical_of[$p]} == 1 && $st != 0 && $st != 127 ]]; then
+    if [[ ${critical_of[$p]} == 1 && $st != 0 && $st != 127 && $st != -1 ]]; then
       status=$st
       echo "launch.sh: ${name_of[$p]} exited with status $st (log ${log_of[$p]})" >&2
       own_tail "$p"
@@ -138,8 +143,6 @@ on_signal() {
   done
   exit "$status"
 }
-trap 'on_signal SIGTERM' TERM
-trap 'on_signal SIGINT' INT
 
 while IFS=$'\t' read -r name critical log cmd; do
   start "$name" "$critical" "$log" "$cmd"
@@ -148,12 +151,13 @@ done <<<"$plan"
 status=0 critical_left=0 telemetry_restarts=0
 for p in "${pids[@]}"; do [[ ${critical_of[$p]} == 1 ]] && ((critical_left++)); done
 while ((critical_left > 0)); do
+  [[ -n $stop_sig ]] && stop_on_signal
   # `wait -n` reports each exit once, also of processes that exited together; a pid leaves the list only
   # when it has been reported (pruning by `kill -0` loses the exits that were already reaped)
   done_pid=""
   wait -n -p done_pid "${pids[@]}"
   st=$?
-  [[ -z $done_pid ]] && continue
+  [[ -z ${done_pid:-} ]] && continue  # interrupted by a signal (which unsets done_pid): acted on at the top of the loop
   collected "$done_pid"
   name=${name_of[$done_pid]}
   if [[ ${critical_of[$done_pid]} == 0 ]]; then

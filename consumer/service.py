@@ -20,7 +20,14 @@ from typing import Protocol
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
 from consumer.distributed import GroupCheckpoint, GroupCursor, GroupError, ReplicaGroup, RoundFlags, StepTrace
-from consumer.stream import BatchStream, ConsumerRejected, ProducerLost, ReceivedBatch, StopRequested, StreamEnd
+from consumer.stream import (
+    BatchStream,
+    ConsumerRejected,
+    ProducerLost,
+    ReceivedBatch,
+    StopRequested,
+    StreamEnd,
+)
 from consumer.trainer import NonFiniteTrainingError, Trainer
 
 log = logging.getLogger("consumer")
@@ -122,7 +129,10 @@ class ConsumerService:
                 if total.complete(self.group.world_size):
                     self._close_round(total)
                 if total.stop:
-                    return self._finish(EXIT_OK, self._stop_reason or "a replica of the group was stopped")
+                    reason = self._stop_reason or "a replica of the group was stopped"
+                    log.info("%s: %s at step %d; %s", self.name, reason, self.trainer.step,
+                             "checkpointing and exiting" if self.trainer.step > 0 else "nothing trained, exiting")
+                    return self._finish(EXIT_OK, reason)
                 if total.ended == self.group.world_size:
                     reason = self._ended.reason if self._ended else "end of stream"
                     log.info("%s: end of stream (%s); trained through seq %d", self.name, reason, self.trainer.last_seq)
