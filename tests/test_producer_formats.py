@@ -15,6 +15,7 @@ from producer.data import ChatDataset, ChatEncoder, DataError, iter_messages
 from producer.data_stats import planned_steps
 from producer.plan import BatchPlan
 from producer.prefetch import Prefetcher
+from producer.regenerate import iter_prompts
 
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -162,3 +163,13 @@ def test_data_stats_command(tok, chats, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "producer", "data-stats", str(tmp_path / "nope.toml")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "cannot read job file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_regenerate_reads_prompts_from_every_format(chats, tmp_path):
+    expected = list(iter_prompts(write_jsonl(tmp_path / "p.jsonl", chats)))
+    assert len(expected) == len(chats)
+    assert list(iter_prompts(write_jsonl(tmp_path / "s.jsonl", [sharegpt(c) for c in chats]))) == expected
+    assert list(iter_prompts(write_parquet(tmp_path / "p.parquet", chats))) == expected
+    assert list(iter_prompts(write_arrow_stream(tmp_path / "p.arrow", [sharegpt(c) for c in chats]))) == expected
+    with pytest.raises(DataError, match="is a directory"):
+        iter_prompts(tmp_path)

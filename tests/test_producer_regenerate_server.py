@@ -68,7 +68,7 @@ def records(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def wait_for_lines(path, n, proc, timeout=120):
+def wait_for_lines(path, n, proc, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and path.read_bytes().count(b"\n") >= n:
