@@ -13,20 +13,24 @@ block of the feature buffer.
 
 Packed batches: the tokens of B sequences lie end to end ([T] with cu_seqlens [B+1]) and run as ONE forward,
 exact for every layer kind:
-- attention layers (full, sliding-window, attention sinks): position ids restart at 0 for every sequence and
-  no attention mask is passed, so the model's own mask builders (transformers.masking_utils) detect the
-  packing from the position ids and intersect THEIR mask (causal, sliding window, chunked) with "same
-  sequence". A hand-made block-diagonal mask would override a sliding window (it did: 0.2 off on Mistral).
-  The detection reads one bool from the device per mask kind (a sync per forward, not per layer).
+- attention layers (full, sliding-window, attention sinks), packing "position_ids": position ids restart at 0
+  for every sequence and no attention mask is passed, so the model's own mask builders
+  (transformers.masking_utils) detect the packing from the position ids and intersect THEIR mask (causal,
+  sliding window, chunked) with "same sequence". A hand-made block-diagonal mask would override a sliding
+  window (it did: 0.2 off on Mistral). The detection reads one bool from the device per mask kind (a sync per
+  forward, not per layer). Packing "layer_masks", for models that do not hand their position ids to the mask
+  builders (gpt-oss): the same builders are called here, one mask per layer type, passed as the mapping such
+  models accept.
 - linear-attention layers (Gated DeltaNet in qwen3_next / qwen3_5): their recurrent and convolution states
   must restart per sequence. transformers' packed path (`cu_seq_lens_q` → `cu_seqlens`) needs the
-  flash-linear-attention kernels and refuses without them, and its conv1d fallback ignores boundaries; so
-  each linear-attention module is wrapped to run the sequences as a right-padded batch [B, max_len] (causal
-  layers: padding after a sequence never reaches it), the rest of the stack stays packed.
-- anything else (a layer kind with no packed path, or a model that fails the load-time leak probe: changing
-  sequence 1's tokens must leave sequence 2's features bit-identical) runs one forward per sequence; the reason
-  is logged once at load and every such batch is counted (`target_per_sequence_batches` in the producer's
-  stats). Never refused, never corrupted.
+  flash-linear-attention kernels and refuses without them; so each linear-attention module is wrapped to run
+  the sequences as a right-padded batch [B, max_len] (causal layers: padding after a sequence never reaches
+  it), the rest of the stack stays packed.
+- at load, a leak probe packs two sequences twice, with different tokens in the first: the second one's
+  features must not move (relative change <= 1e-4 in fp32, 5e-2 in 16-bit: MoE expert batches see other
+  tokens, so not bit-exact). The first packing mode that passes is used. A layer kind with no packed path, or
+  no mode passing, means one forward per sequence; the reason is logged once at load and every such batch is
+  counted (`target_per_sequence_batches` in the producer's stats). Never refused, never corrupted.
 
 Attention implementation ("auto"): on CUDA flex_attention where the model supports it (the packed mask becomes
 a block mask: no dense [T, T] tensor), else sdpa; on the CPU sdpa, else eager (gpt-oss: its attention sinks are
@@ -128,8 +132,6 @@ class TargetCapture:
         config: PretrainedConfig,
         layer_ids: list[int],
         num_target_layers: int,
-        *,
-        probe: bool = True,
     ):
         self.model = model  # the base decoder (no LM head), truncated after max(layer_ids)
         self.config = config
@@ -151,7 +153,7 @@ class TargetCapture:
                 model.layers[i].register_forward_hook(self._copy_hook(k))
         self.packing = "position_ids"  # how a packed batch keeps its sequences apart (module docstring)
         self.per_sequence_reason = self._wrap_linear_layers()
-        if self.per_sequence_reason is None and probe:
+        if self.per_sequence_reason is None:
             self.per_sequence_reason = self._choose_packing()
         if self.per_sequence_reason:
             self.packing = "per_sequence"
