@@ -194,12 +194,16 @@ class Trainer:
     def gather_full_state(self) -> None:
         """FSDP: every replica calls this together before a checkpoint (ReplicaGroup.gather_trained does):
         the full weights and Adam moments, gathered tensor by tensor to the CPU, in the unsharded format, and
-        every replica's anchor RNG (each drew for its own batches: a bit-exact resume needs them all)."""
+        every replica's anchor RNG (each drew for its own batches: a bit-exact resume needs them all).
+        Only rank 0 (the writer) keeps the result, until `state_dict` hands it over once."""
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
+        keep = self.mesh.get_local_rank() == 0
+
         def full(t):
-            return t.full_tensor().cpu() if isinstance(t, DTensor) else _cpu_copy(t)
+            t = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every replica takes part
+            return _cpu_copy(t) if keep else None
 
         def gather():
             model = {k: full(v) for k, v in self.model.state_dict().items()}
@@ -209,7 +213,8 @@ class Trainer:
             dist.all_gather(rngs, self._rng_at_step, group=self.mesh.get_group())
             return model, _cpu_copy(optim), torch.stack(rngs)
 
-        self._full_state = (self.step, *self._collective("the checkpoint gather", gather))
+        gathered = self._collective("the checkpoint gather", gather)
+        self._full_state = (self.step, *gathered) if keep else None
 
     def _load_sharded(self, model: dict, optim: dict) -> None:
         """FSDP: cut this replica's shards out of full tensors (every replica holds the same full state)."""
@@ -407,9 +412,10 @@ class Trainer:
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
         elif self._full_state is None or self._full_state[0] != self.step:
             raise RuntimeError(f"drafter {self.cfg.name}: no full FSDP state gathered at step {self.step}: every"
-                               " replica calls gather_full_state() before a checkpoint")
+                               " replica calls gather_full_state() before a checkpoint, and rank 0 takes it once")
         else:
             _, model, optim, rngs = self._full_state
+            self._full_state = None  # handed over: a full copy of the state is not kept between checkpoints
             sharded = {"rng_replicas": rngs}  # [world, n]: replica r's anchor RNG in row r
         return _cpu_copy(
             {

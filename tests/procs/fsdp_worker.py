@@ -66,8 +66,8 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     replicas = run(trainer(False), range(len(SCHEDULE)))
     straight_trainer = trainer(True)
     straight = run(straight_trainer, range(len(SCHEDULE)))
-    group.gather_trained([])  # the checkpoint collective: gathers the full state on every replica
-    straight_state = straight_trainer.state_dict()
+    group.gather_trained([])  # the checkpoint collective: gathers the full state for rank 0
+    straight_state = straight_trainer.state_dict() if group.is_writer else None
 
     first = trainer(True)
     run(first, range(RESUME_AT))
@@ -85,7 +85,7 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     resumed_trainer.load_state_dict(state, where)
     resumed = run(resumed_trainer, range(RESUME_AT, len(SCHEDULE)))
     group.gather_trained([])
-    resumed_state = resumed_trainer.state_dict()
+    resumed_state = resumed_trainer.state_dict() if group.is_writer else None
     if group.is_writer:
         torch.save({"replicas": replicas, "straight": straight, "resumed": resumed, "straight_state": straight_state,
                     "resumed_state": resumed_state}, out / "result.pt")
