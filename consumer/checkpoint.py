@@ -106,10 +106,10 @@ def export_config(
 
 
 def target_special_tokens(path: Path) -> dict:
-    """bos_token_id / eos_token_id of the target (its text config, else its generation config); eos may
-    be a list. Missing ones are left out."""
+    """bos_token_id / eos_token_id of the target: its generation config's (the stop list generate() uses,
+    e.g. Llama 3's three end tokens), else its (text) config's; eos may be a list. Missing ones are left out."""
     found: dict = {}
-    for name in ("generation_config.json", "config.json"):  # the later file wins
+    for name in ("config.json", "generation_config.json"):  # the later file wins
         file = Path(path) / name
         if not file.is_file():
             continue

@@ -151,3 +151,37 @@ def test_export_matches_the_training_model_with_windows_and_rope_scaling(trained
         done = p
     out = draft.spec_generate(input_ids=prompts[2][None], max_new_tokens=30, target=target, stop_token_ids=[EOS])
     assert out[0].tolist() == plain_greedy(target, prompts[2], 30)
+
+
+def test_export_config_keys_for_windows_rope_and_special_tokens(trained):
+    _, trainer, _, _ = trained
+    parts = trainer.parts
+    arch = DrafterArch(64, 4, 2, 16, 128, 3, 3, 1e-6, 1e7, layer_types=("full_attention", "sliding_attention",
+                       "sliding_attention"), sliding_window=2048,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = export_config(arch, parts, block_size=B, mask_token_id=7, target_layer_ids=LAYER_IDS, dtype="bfloat16")
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert (cfg["sliding_window"], cfg["use_sliding_window"], cfg["max_window_layers"]) == (2048, True, 1)
+    assert cfg["is_causal"] is False and cfg["rope_theta"] == 1e7
+    assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert cfg["rope_parameters"] == {**cfg["rope_scaling"], "rope_theta": 1e7}
+    assert "bos_token_id" not in cfg and "eos_token_id" not in cfg  # the tiny target declares none
+    plain = export_config(trainer.arch, parts, block_size=B, mask_token_id=7, target_layer_ids=LAYER_IDS,
+                          dtype="bfloat16")
+    assert plain["layer_types"] == ["full_attention"] * 2 and plain["rope_scaling"] is None
+    assert (plain["sliding_window"], plain["use_sliding_window"], plain["max_window_layers"]) == (None, False, 2)
+
+
+def test_export_config_takes_the_targets_bos_and_eos(tmp_path):
+    """From config.json, and the generation config's stop list over it (what generate() stops at)."""
+    tiny_target(tmp_path / "t", bos_token_id=5, eos_token_id=EOS)
+    parts = load_target_parts(tmp_path / "t")
+    arch = DrafterArch(64, 4, 2, 16, 128, 1, 3, 1e-6, 1e6)
+    kw = dict(block_size=B, mask_token_id=7, target_layer_ids=LAYER_IDS, dtype="float32")
+    cfg = export_config(arch, parts, **kw)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (5, EOS)
+    transformers.GenerationConfig(bos_token_id=5, eos_token_id=[EOS, 9]).save_pretrained(tmp_path / "t")
+    assert export_config(arch, parts, **kw)["eos_token_id"] == [EOS, 9]
+    (tmp_path / "e").mkdir()
+    draft = export(DFlashDrafter(arch, parts.embed_tokens, parts.lm_head), parts, tmp_path / "e", arch, 7)
+    assert draft.config.eos_token_id == [EOS, 9]  # spec_generate's default stop tokens
