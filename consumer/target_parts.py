@@ -187,24 +187,3 @@ def _read_tensor(stored: dict[str, tuple[Path, str]], name: str, path: Path) -> 
     except (SafetensorError, OSError) as err:
         raise TargetPartsError(f"{file}: cannot read tensor {key!r} (truncated or corrupt file?): {err}") from None
 
-
-def resolve_mask_token_id(path: str | Path, vocab_size: int, configured: int | None) -> int:
-    """The drafter's MASK id: the configured one, else the tokenizer's mask token, else the last row."""
-    if configured is None:
-        configured = _tokenizer_mask_id(Path(path))
-    mask_id = vocab_size - 1 if configured is None else configured
-    if not 0 <= mask_id < vocab_size:
-        raise ValueError(
-            f"mask_token_id {mask_id} is outside the target's embedding matrix (vocab_size {vocab_size});"
-            " the MASK embedding must be a row of the target's embedding"
-        )
-    return mask_id
-
-
-def _tokenizer_mask_id(path: Path) -> int | None:
-    if not (path / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return tok.mask_token_id
