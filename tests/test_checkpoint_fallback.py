@@ -56,7 +56,7 @@ def _two_checkpoints(setup, root: Path) -> tuple[Path, Path, Trainer]:
 
 
 def test_manifest_is_written_last_and_lists_every_file(setup, tmp_path):
-    older, newer, _ = _two_checkpoints(setup, tmp_path)
+    _, newer, _ = _two_checkpoints(setup, tmp_path)
     manifest = json.loads((newer / MANIFEST).read_text())
     assert sorted(manifest["files"]) == ["config.json", "dflash.py", "model.safetensors", STATE_FILE]
     for name, entry in manifest["files"].items():
@@ -142,7 +142,7 @@ def test_missing_manifest_falls_back(setup, tmp_path, caplog):
 
 
 def test_latest_naming_a_missing_directory_falls_back(setup, tmp_path):
-    older, newer, _ = _two_checkpoints(setup, tmp_path)
+    _, newer, _ = _two_checkpoints(setup, tmp_path)
     (tmp_path / "latest").write_text("step_99\n")
     assert load_latest(tmp_path).path == newer
 
