@@ -13,6 +13,14 @@ down when a consumer dies. Faults, one at a time, each followed by a wait for re
   hostile_telemetry  malformed and oversized messages to telemetry's ingest socket
   checkpoint_enospc  the drafter d1's checkpoint folder is a tmpfs; fill it so the next save fails with a
                      real ENOSPC, check the previous checkpoint still loads, free it; the consumer restarts
+  producer_kill      SIGKILL the producer; it is restarted (Restart=on-failure), the consumers checkpoint,
+                     exit, are restarted and resume: every group is served again, nothing lost or repeated
+  second_launch      `./launch.sh JOB.toml` while the job runs: refused at once (exit 75) naming a holder's
+                     pid; no process of the running job is touched and training goes on
+  startup_sigterm    SIGKILL a consumer, then SIGTERM its restarted incarnation during its start-up: it ends
+                     within seconds (exit 0, or killed by the signal before its handler exists), comes back
+  checkpoint_corrupt SIGKILL consumer d0, then damage its newest checkpoint (truncate trainer_state.pt, or
+                     NaN into model.safetensors); the restart must say so and resume from the previous one
 Recovery time: from the fault's effect (kill, SIGCONT, the failed save's exit, the last hostile message)
 to the affected process being back in service (the producer attached the consumer again; telemetry wrote a
 window with every source live; the producer delivered again). A recovered consumer must also train a step:
@@ -30,6 +38,7 @@ import random
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,14 +47,18 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.soak_faults import fill, hostile_control, hostile_telemetry, mount_tmpfs, unfill, unmount
-from bench.soak_procs import JobWatch, Supervisor, build_job
+from bench.soak_procs import ROOT, JobWatch, Supervisor, build_job
 from common.accounting_check import check_run
 from common.config import load_job
 
 KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
-         "checkpoint_enospc")
+         "checkpoint_enospc", "producer_kill", "second_launch", "startup_sigterm", "checkpoint_corrupt")
 RECOVERY_TIMEOUT_S = 180.0
 ENOSPC_DRAFTER = "d1"
+CORRUPT_DRAFTER = "d0"  # not the tmpfs one
+STARTUP_EXIT_S = 15.0  # a SIGTERM during start-up must end the process within this (it waited 60 s before)
+HOSTILE_HELLOS = 4  # in bench.soak_faults.control_garbage: unknown drafter, replica 2**64-1, node 5, another launch
+SECOND_LAUNCH_EXIT = 75  # launch.sh's status for "the job is already running"
 
 
 class Chaos:
@@ -121,12 +134,17 @@ class Chaos:
 
     def hostile_control(self) -> float:
         before = self.watch.count("producer", "rejected a message")
+        hellos = self.watch.count("producer", "rejected HELLO from")
         self.notes["control_messages_sent"] += hostile_control(self.watch.control_endpoint())
         t0 = time.time()
         took = max(self.watch.wait_delivery(after=t0, timeout=RECOVERY_TIMEOUT_S) - t0, 0.0)
         if not self.sup.procs["producer"].alive():
             raise AssertionError("the producer died of hostile messages")
         self.notes["control_messages_rejected"] += self.watch.count("producer", "rejected a message") - before
+        refused = self.watch.count("producer", "rejected HELLO from") - hellos
+        if refused < HOSTILE_HELLOS:
+            raise AssertionError(f"the producer refused {refused} of {HOSTILE_HELLOS} HELLOs that do not fit the job")
+        self.notes["hellos_rejected"] += refused
         return took
 
     def hostile_telemetry(self) -> float:
@@ -159,6 +177,101 @@ class Chaos:
             raise AssertionError(f"the checkpoint before the full disk ({before}) is gone: now {after}")
         self.notes["enospc_previous_checkpoint_intact"] += 1
         return self._back(name, t_fail, not_pid=pid)
+
+
+    def producer_kill(self) -> float:
+        prod = self.sup.procs["producer"]
+        pid = prod.pid
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        prod.wait_exit(pid, timeout=RECOVERY_TIMEOUT_S)
+        delivered = self.watch.wait_delivery(after=t0, timeout=RECOVERY_TIMEOUT_S)  # the new producer delivers
+        back = [self._back(name, t0) for name in self.sup.consumers]  # every group attached again and trains
+        return max(delivered - t0, *back)
+
+    def second_launch(self) -> float:
+        before = {n: p.pid for n, p in self.sup.procs.items()}
+        env = {**os.environ, "PYTHON": sys.executable}
+        env.pop("DFLASH_LAUNCH_ID", None)
+        t0 = time.monotonic()
+        out = subprocess.run([str(ROOT / "launch.sh"), str(self.sup.job_path), "--grace", "5"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=RECOVERY_TIMEOUT_S)
+        took = time.monotonic() - t0
+        said = out.stdout + out.stderr
+        if out.returncode != SECOND_LAUNCH_EXIT or "launch.sh: started" in said:
+            raise AssertionError(f"the second launch was not refused (status {out.returncode}): {said[-500:]}")
+        if not any(f" pid {pid} " in said for pid in before.values()):
+            raise AssertionError(f"the refusal names no process of the running job: {said[-500:]}")
+        self.notes["second_launch_refused_max_s"] = max(self.notes.get("second_launch_refused_max_s", 0), round(took, 2))
+        harmed = [n for n, pid in before.items() if self.sup.procs[n].pid != pid or not self.sup.procs[n].alive()]
+        if harmed:
+            raise AssertionError(f"the second launch harmed the running job: {harmed} restarted or gone")
+        t1 = time.time()
+        for name in self.sup.consumers:  # and the running job trains on
+            self.watch.wait_step(name, after=t1, timeout=RECOVERY_TIMEOUT_S)
+        return took
+
+    def startup_sigterm(self) -> float:
+        name = self.rng.choice(self.sup.consumers)
+        proc = self.sup.procs[name]
+        old = proc.pid
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while proc.pid == old or not proc.alive():  # the supervisor restarts it
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} was not restarted")
+            time.sleep(0.05)
+        new = proc.pid
+        time.sleep(self.rng.uniform(0.2, 2.0))  # somewhere in its start-up: imports, loading, waiting for WELCOME
+        try:
+            self.watch.wait_attached(name, after=0.0, pid=new, timeout=0.3)
+            self.notes["startup_sigterm_after_attach"] += 1  # the machine was fast: it had attached already
+        except TimeoutError:
+            self.notes["startup_sigterm_during_start_up"] += 1
+        t1 = time.time()
+        os.kill(new, signal.SIGTERM)
+        exited = proc.wait_exit(new, timeout=RECOVERY_TIMEOUT_S)
+        status = next(st for _t, p, st in proc.exits if p == new)
+        if status not in (0, -signal.SIGTERM) or exited - t1 > STARTUP_EXIT_S:
+            raise AssertionError(f"{name} (pid {new}) took {exited - t1:.1f} s to end after SIGTERM, status {status}")
+        self.notes["startup_sigterm_exit_max_s"] = max(self.notes.get("startup_sigterm_exit_max_s", 0),
+                                                       round(exited - t1, 2))
+        if status == 0:
+            self.sup.start_again(name)  # a clean exit is not restarted by Restart=on-failure
+        return self._back(name, t1, not_pid=new)
+
+    def checkpoint_corrupt(self) -> float:
+        name = f"consumer-{CORRUPT_DRAFTER}"
+        folder = self.watch.ckpt_dir(CORRUPT_DRAFTER)
+        self.watch._wait(lambda: time.time() if len(list(folder.glob("step_*"))) >= 2 else None,
+                         RECOVERY_TIMEOUT_S, f"two checkpoints of {CORRUPT_DRAFTER}")
+        proc = self.sup.procs[name]
+        pid = proc.pid
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        proc.wait_exit(pid, timeout=RECOVERY_TIMEOUT_S)
+        newest = folder / (folder / "latest").read_text().strip()
+        how = corrupt_checkpoint(newest, self.rng)
+        self.notes["checkpoint_corrupt_" + ("truncated" if how.startswith("truncated") else "nan")] += 1
+        took = self._back(name, t0, not_pid=pid)
+        if "resuming from the previous intact checkpoint" not in self.watch.tail(name, 200):
+            raise AssertionError(f"{name} resumed, but its log does not say it fell back past {newest.name}")
+        return took
+
+
+def corrupt_checkpoint(path: Path, rng: random.Random) -> str:
+    """Truncate trainer_state.pt, or write NaN into a weight of model.safetensors (a file of the same size)."""
+    if rng.random() < 0.5:
+        state = path / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+        return "truncated trainer_state.pt"
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    key = sorted(weights)[0]
+    weights[key] = weights[key].clone().fill_(float("nan"))
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return f"NaN in {key}"
 
 
 def leaked(run_dir: Path, job_name: str) -> tuple[list[str], list[str]]:

@@ -60,6 +60,10 @@ def control_garbage() -> list[list[bytes]]:
         [encode(Heartbeat(time.time(), 5))],
         [encode(Bye("stray", 3))],
         [encode(Hello("no_such_drafter", 0, 1, "", 0))],  # refused with a fatal FAIL to this peer only
+        # HELLOs that do not fit the job: refused and counted, never a group member
+        [encode(Hello("d0", 2**64 - 1, 1, "", 0))],  # replica index outside the drafter's replicas
+        [encode(Hello("d0", 0, 1, "", 0, node=5))],  # another node's consumer
+        [encode(Hello("d0", 0, 1, "", 0, launch="not-this-launch"))],  # another launch of the job
     ]
 
 

@@ -115,13 +115,15 @@ class Proc:
 
 class Supervisor:
     def __init__(self, job: JobConfig, job_path: Path, log):
-        self.job, self.log = job, log
+        self.job, self.job_path, self.log = job, job_path, log
         job.run_paths.make()
         logs = job.run_paths.logs
         jp = str(job_path)
         self.procs = {
             "telemetry": Proc("telemetry", ["-m", "telemetry", "--job", jp], logs / "telemetry.log", "always"),
-            "producer": Proc("producer", ["-m", "producer", "--job", jp], logs / "producer.log", "never"),
+            # Restart=on-failure, as deploy/systemd/dflash-producer.service: a killed producer comes back and
+            # the consumers (which checkpointed and exited when they lost it) resume from their checkpoints
+            "producer": Proc("producer", ["-m", "producer", "--job", jp], logs / "producer.log", "on-failure"),
         }
         for d in job.drafters:
             name = f"consumer-{d.name}"
@@ -151,12 +153,20 @@ class Supervisor:
                         if not self.stopping and (p.policy == "always" or (p.policy == "on-failure" and status)):
                             p.restart_at = now + RESTART_S
                         elif p.name == "producer" and not self.stopping:
-                            self.log("  the producer died: the job cannot go on")
+                            self.log("  the producer ended: the job cannot go on")
                     if p.restart_at is not None and now >= p.restart_at and not self.stopping:
                         p.restart_at = None
                         p.start()
                         self.log(f"  restarted {p.name} as pid {p.pid}")
             time.sleep(POLL_S)
+
+    def start_again(self, name: str) -> None:
+        """Start a service that exited cleanly (which Restart=on-failure leaves down), as an operator would."""
+        with self._lock:
+            p = self.procs[name]
+            if not p.alive() and p.restart_at is None:
+                p.start()
+                self.log(f"  started {p.name} again as pid {p.pid}")
 
     def restart_counts(self) -> dict[str, int]:
         return {n: len(p.starts) - 1 for n, p in self.procs.items()}
