@@ -9,9 +9,10 @@ process on a fresh output file, the server already warm; what is timed is the co
 its model lookup to its last record written (every request and write; not the interpreter's start-up), as
 its final progress line reports it. `server_concurrency_speedup` = records/s at concurrency 8 ÷ records/s
 at concurrency 1: what the client's concurrency buys from the server. `transformers serve` without
-`--continuous-batching` runs each request's `generate` on its own, so on a few CPU cores the requests
-share the same cores and the speedup stays near 1; vLLM and SGLang batch the requests in flight, which is
-where the concurrency pays.
+`--continuous-batching` runs one `generate` at a time on a single inference thread, so requests in flight
+only queue there and the speedup stays near 1 by construction; `server_concurrency_speedup_cb` is the same
+ratio with `--continuous-batching` (requests in flight decode together, as vLLM and SGLang do), which is
+where the concurrency pays. `--quick` skips the continuous-batching server.
 """
 
 from __future__ import annotations
@@ -43,9 +44,17 @@ class TransformersServe:
     under its path as the model id; `--port` is fixed at start, so a free port is picked first.
     """
 
-    def __init__(self, model_dir: Path, log_path: Path, threads: int | None = None, start_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        threads: int | None = None,
+        start_timeout_s: float = 180.0,
+        continuous_batching: bool = False,
+    ):
         self.model_dir, self.log_path, self.start_timeout_s = Path(model_dir), Path(log_path), start_timeout_s
         self.threads = threads
+        self.continuous_batching = continuous_batching
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -61,6 +70,8 @@ class TransformersServe:
             env["OMP_NUM_THREADS"] = str(self.threads)
         cmd = [str(cli), "serve", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
                "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+        if self.continuous_batching:
+            cmd.append("--continuous-batching")
         self.log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
@@ -132,28 +143,38 @@ def main(argv: list[str] | None = None) -> dict:
         )  # fmt: skip
         prompts = write_jsonl(root / "prompts.jsonl", synthetic_chats(args.records, seed=4, max_turns=2))
         warm = write_jsonl(root / "warm-prompts.jsonl", synthetic_chats(2, seed=5))
-        with TransformersServe(model_dir, root / "serve.log") as server:
-            run_regenerate(server.url, warm, root / "warm.jsonl", 2, args.max_new_tokens)  # loads, first calls
-            rate = {c: run_regenerate(server.url, prompts, root / f"c{c}.jsonl", c, args.max_new_tokens)
-                    for c in (1, 8)}  # fmt: skip
-            for c in (1, 8):
-                written = len((root / f"c{c}.jsonl").read_text().splitlines())
-                if written != args.records:
-                    raise RuntimeError(f"concurrency {c}: {written} records written, expected {args.records}")
+        rates = {}
+        for cb in (False,) if args.quick else (False, True):
+            tag = "cb" if cb else "plain"
+            with TransformersServe(model_dir, root / f"serve-{tag}.log", continuous_batching=cb) as server:
+                run_regenerate(server.url, warm, root / f"warm-{tag}.jsonl", 2, args.max_new_tokens)  # first calls
+                rates[tag] = {}
+                for c in (1, 8):
+                    out = root / f"{tag}-c{c}.jsonl"
+                    rates[tag][c] = run_regenerate(server.url, prompts, out, c, args.max_new_tokens)
+                    written = len(out.read_text().splitlines())
+                    if written != args.records:
+                        raise RuntimeError(f"{tag} concurrency {c}: {written} records, expected {args.records}")
     result = {
-        "server": "transformers serve (no continuous batching), cpu fp32",
+        "server": "transformers serve, cpu fp32",
         "target": "qwen3 h256 L8 vocab16384",
         "records": args.records,
         "max_new_tokens": args.max_new_tokens,
         "cpu_cores": os.cpu_count(),
-        "records_per_s_c1": round(rate[1], 3),
-        "records_per_s_c8": round(rate[8], 3),
-        "server_concurrency_speedup": round(rate[8] / rate[1], 3),
+        "records_per_s_c1": round(rates["plain"][1], 3),
+        "records_per_s_c8": round(rates["plain"][8], 3),
+        "server_concurrency_speedup": round(rates["plain"][8] / rates["plain"][1], 3),
     }
-    print(
-        f"regenerate via transformers serve: {rate[1]:.2f} records/s at concurrency 1,"
-        f" {rate[8]:.2f} at 8: speedup {result['server_concurrency_speedup']:.2f}x"
-    )
+    if "cb" in rates:
+        result |= {
+            "records_per_s_c1_cb": round(rates["cb"][1], 3),
+            "records_per_s_c8_cb": round(rates["cb"][8], 3),
+            "server_concurrency_speedup_cb": round(rates["cb"][8] / rates["cb"][1], 3),
+        }
+    for tag, rate in rates.items():
+        name = "continuous batching" if tag == "cb" else "one generate at a time"
+        print(f"regenerate via transformers serve ({name}): {rate[1]:.3f} records/s at concurrency 1,"
+              f" {rate[8]:.3f} at 8: speedup {rate[8] / rate[1]:.2f}x")
     if args.json:
         print(json.dumps(result))
     return result
