@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="8 records, 8 new tokens")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the server is stopped on the way out
     if args.quick:
         args.records, args.max_new_tokens = 8, 8
     with tempfile.TemporaryDirectory(prefix="bench-regenerate-") as tmp:
