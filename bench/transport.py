@@ -16,7 +16,7 @@ Timed span, on the producer's clock, per batch: from "the batch is ready in the 
                 received frames as its tensors (no copy-out needed: they are its own) and acks.
   memcpy        one in-process copy of the same bytes into a preallocated buffer, no other process, from
                 and to memory that is not in cache (buffers rotate through 128 MiB): the cost of one copy
-                on this machine, measured in the same run.
+                on this machine, timed once per batch of every variant, under the same load.
 The ring and mpqueue_pool paths each cost two copies plus a round trip of small messages, so their floor
 is `2 × memcpy + zmq_roundtrip` (reported per size as `e2e_ms_two_copy_floor`); `e2e_growth_1_to_256MiB`
 of a copy-bound path follows `memcpy_growth_1_to_256MiB`.
@@ -50,7 +50,6 @@ from common.slot_table import SlotTable
 
 SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
 REPS = {"1MiB": 100, "16MiB": 60, "64MiB": 40, "256MiB": 15}
-MEMCPY_REPS = {"1MiB": 200, "16MiB": 60, "64MiB": 30, "256MiB": 10}
 PING_REPS = 200
 COLD_SET = 128 << 20  # bytes the memcpy floor rotates through: beyond any last-level cache here
 POOL = 2  # ring slots and pool entries: the producer can fill one while the consumer reads the other
@@ -181,7 +180,7 @@ def _mpqueue_consumer(to_consumer, to_producer, max_bytes: int) -> None:
 # ------------------------------------------------------------------------------------------ producers
 
 
-def run_ring(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
+def run_ring(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float, floor: MemcpyFloor) -> dict:
     """Per size: end-to-end, slot write and consumer copy-out samples (seconds); ping round trips."""
     ring = SlotRing.create("cpu", POOL, max(sizes.values()) + (64 << 10), name=f"bench-{os.getpid()}")
     table = SlotTable(ring.num_slots)
@@ -198,6 +197,7 @@ def run_ring(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float)
                 seq += 1
                 batch["input_ids"][0] = seq
                 batch["hidden"][-1, -1] = seq % 7
+                floor.sample(label, nbytes)
                 _pace(t_ack, gap)
                 t0 = time.perf_counter()
                 slot = table.acquire()
@@ -229,7 +229,7 @@ def run_ring(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float)
     return out
 
 
-def run_zmqcopy(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
+def run_zmqcopy(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float, floor: MemcpyFloor) -> dict:
     assert _recv(sock) == "ready"
     out, seq, t_ack = {}, 0, time.perf_counter()
     for label, nbytes in sizes.items():
@@ -241,6 +241,7 @@ def run_zmqcopy(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: flo
             seq += 1
             batch["input_ids"][0] = seq
             batch["hidden"][-1, -1] = seq % 7
+            floor.sample(label, nbytes)
             _pace(t_ack, gap)
             t0 = time.perf_counter()
             sock.send_multipart([msgpack.packb([seq, specs]), *frames], copy=False)
@@ -253,7 +254,7 @@ def run_zmqcopy(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: flo
     return out
 
 
-def run_mpqueue_pool(sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
+def run_mpqueue_pool(sizes: dict, reps: dict, warmup: int, gap: float, floor: MemcpyFloor) -> dict:
     ctx = tmp.get_context("spawn")
     to_consumer, to_producer = ctx.Queue(), ctx.Queue()
     max_bytes = max(sizes.values())
@@ -274,6 +275,7 @@ def run_mpqueue_pool(sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
                 batch["input_ids"][0] = seq
                 batch["hidden"][-1, -1] = seq % 7
                 entry = seq % POOL
+                floor.sample(label, nbytes)
                 _pace(t_ack, gap)
                 t0 = time.perf_counter()
                 for name, t in batch.items():
@@ -293,22 +295,28 @@ def run_mpqueue_pool(sizes: dict, reps: dict, warmup: int, gap: float) -> dict:
     return out
 
 
-def run_memcpy(sizes: dict, reps: dict) -> dict:
-    """One copy of each size's batch into preallocated, touched memory, in this process. Source and
-    destination rotate through pairs that together exceed the last-level cache (COLD_SET), so a small batch
-    is copied from and to memory as the ring's copies are, not between cache-resident buffers."""
-    out = {}
-    for label, nbytes in sizes.items():
-        pairs = [(make_batch(nbytes, 0), own_buffers(nbytes)) for _ in range(max(1, COLD_SET // nbytes))]
-        for src, dest in pairs:  # touch every page once
-            copy_out(dest, src)
-        out[label] = []
-        for i in range(reps[label]):
-            src, dest = pairs[i % len(pairs)]
-            t0 = time.perf_counter()
-            copy_out(dest, src)
-            out[label].append(time.perf_counter() - t0)
-    return out
+class MemcpyFloor:
+    """One copy of a batch into preallocated, touched memory, in the producer's process, timed once per
+    batch of every variant (outside the timed span, while the consumer idles), so the floor is measured
+    under the same load as the paths it bounds. Source and destination rotate through pairs that together
+    exceed the last-level cache (COLD_SET): a small batch is copied from and to memory, as the ring's are."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+        self._label, self._pairs, self._next = "", [], 0
+
+    def sample(self, label: str, nbytes: int) -> None:
+        if label != self._label:
+            self._pairs = []  # free the previous size's buffers first
+            self._pairs = [(make_batch(nbytes, 0), own_buffers(nbytes)) for _ in range(max(1, COLD_SET // nbytes))]
+            for src, dest in self._pairs:  # touch every page once
+                copy_out(dest, src)
+            self._label, self._next = label, 0
+        src, dest = self._pairs[self._next % len(self._pairs)]
+        self._next += 1
+        t0 = time.perf_counter()
+        copy_out(dest, src)
+        self.samples.setdefault(label, []).append(time.perf_counter() - t0)
 
 
 def _serve(ctx: zmq.Context, workdir: str, mode: str, run, max_bytes: int, *args) -> dict:
@@ -417,12 +425,12 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as workdir:
         os.chmod(workdir, 0o700)
-        ring = _serve(ctx, workdir, "ring", run_ring, max_bytes, sizes, reps, warmup, gap)
-        zcopy = _serve(ctx, workdir, "zmqcopy", run_zmqcopy, max_bytes, sizes, reps, warmup, gap)
+        floor = MemcpyFloor()
+        ring = _serve(ctx, workdir, "ring", run_ring, max_bytes, sizes, reps, warmup, gap, floor)
+        zcopy = _serve(ctx, workdir, "zmqcopy", run_zmqcopy, max_bytes, sizes, reps, warmup, gap, floor)
     ctx.term()
-    mpq = run_mpqueue_pool(sizes, reps, warmup, gap)
-    memcpy = run_memcpy(sizes, {k: max(5, int(v * scale)) for k, v in MEMCPY_REPS.items()})
-    result = summarise(sizes, ring, mpq, zcopy, memcpy, args.gap_ms)
+    mpq = run_mpqueue_pool(sizes, reps, warmup, gap, floor)
+    result = summarise(sizes, ring, mpq, zcopy, floor.samples, args.gap_ms)
     result["reps"] = reps
     print_table(result, sizes)
     if args.json:
