@@ -184,6 +184,6 @@ trap - INT TERM
 
 if ((status == 0 && demo)); then
   echo "launch.sh: evaluating the demo drafters by speculative decoding"
-  "$PY" -m producer.demo evaluate "$job" || status=$?
+  "$PY" -m demo evaluate "$job" || status=$?
 fi
 exit "$status"

@@ -53,3 +53,16 @@ def test_the_checker_sees_lazy_imports(tmp_path):
 def test_producer_package_is_the_target_forward_service_alone():
     names = {p.stem for p in (ROOT / "producer").glob("*.py")}
     assert not names & {"demo", "demo_corpus", "demo_pretrain", "tiny"}, names
+
+
+def test_every_module_launch_sh_and_the_makefile_run_exists():
+    """`python -m X` in launch.sh and the Makefile must name a module that exists (a moved module is not
+    left behind in a script only the demo or a make target runs)."""
+    import importlib.util
+    import re
+
+    for script in ("launch.sh", "Makefile"):
+        modules = set(re.findall(r"-m ([A-Za-z_][\w.]*)", (ROOT / script).read_text()))
+        assert modules, f"no `-m module` found in {script}"
+        missing = sorted(m for m in modules if importlib.util.find_spec(m) is None)
+        assert not missing, f"{script} runs modules that do not exist: {missing}"
