@@ -4,7 +4,7 @@ Shapes: T packed tokens in `nseq` sequences (cu_seqlens); N anchors per sequence
 B block size, Q = A·B query rows. Anchors are grouped by sequence, sorted, padding ones last.
 Keys are laid out as [T context rows ‖ Q block rows]; one predicate, `DraftBatch.allowed`, decides
 every (query row, key) pair, and both attention paths evaluate that same predicate:
-  - flex: a FlexAttention BlockMask over the full [Q, T+Q] grid (GPU training, sparse);
+  - flex: a FlexAttention BlockMask over the full [Q, T+Q] grid, padded to length buckets (GPU training, sparse);
   - dense: a boolean SDPA mask per anchor over the only keys a block can ever see,
     [its sequence's first C context rows ‖ its own B rows] (C = longest sequence); every other key
     of the full grid is forbidden, so the two are the same mask.
