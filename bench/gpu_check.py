@@ -51,9 +51,9 @@ LAYER_IDS = [1, 9, 17, 25, 33]
 DRAFTER = dict(num_layers=5, block_size=16)
 TOKENS_PER_BATCH = 16384
 MAX_LENGTH = 2048
-STAGE_CHATS = 3000  # ~20 packed batches of varying lengths for the in-process stages
+STAGE_CHATS = 2000  # ~14 packed batches of varying lengths for the in-process stages
 PIPELINE_EPOCHS = 100  # more than two minutes of data: the pipeline is stopped by SIGTERM, not by its end
-BUDGET_S = {"tests": 240, "pipeline_start": 240, "export": 120}
+BUDGET_S = {"tests": 240, "pipeline_start": 240, "stop": 300}  # stop: SIGTERM to exit, checkpoints written
 PLAN = [
     ("tests", "pytest -m cuda (Triton compiled; the CUDA ring between real processes)"),
     ("assets", "Qwen3-8B-shaped random target (36 layers, hidden 4096, bf16, layers [1, 9, 17, 25, 33]) "
@@ -195,7 +195,7 @@ def step_stages(job_path: Path) -> dict:
     # NVML sampler on/off: alternating blocks of the same batches, the block times' medians compared
     sampler_times: dict[bool, list[float]] = {True: [], False: []}
     sampler = None
-    for block in range(6):
+    for block in range(4):
         on = block % 2 == 1
         if on:
             sampler = NvmlSampler(job.telemetry.nvml_interval_s, logging.getLogger("gpu_check.nvml"))
@@ -298,7 +298,7 @@ def step_pipeline(job_path: Path, seconds: float) -> dict:
         codes = {}
         for name, p in procs.items():
             try:
-                codes[name] = p.wait(BUDGET_S["export"])
+                codes[name] = p.wait(BUDGET_S["stop"])
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes[name] = p.wait(30)
