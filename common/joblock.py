@@ -84,7 +84,8 @@ def holders(run_dir: str | Path, node: int = 0) -> list[str]:
 
 @dataclass
 class JobLock:
-    """What a process holds for its life (closed at exit by the kernel, or by `release`)."""
+    """What a process holds while it runs the job: released by `release`, when the object is dropped (an
+    entry point called in-process, as bench.entry_worker does, returns), or by the kernel at exit."""
 
     fds: list[int]
     launch_id: str  # the launch this process belongs to ("" when started without launch.sh)
@@ -93,6 +94,9 @@ class JobLock:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def _stamp(fd: int, launch_id: str) -> None:

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    try:  # held for life: one job per run folder, one telemetry per node
-        enter(job.run_paths.root, "telemetry", int(os.environ.get("NODE_RANK", 0)))
+    try:  # held while it runs: one job per run folder, one telemetry per node
+        lock = enter(job.run_paths.root, "telemetry", int(os.environ.get("NODE_RANK", 0)))
     except (JobLocked, OSError) as err:
         log.error("%s", err)
         return 2
@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    TelemetryService(job, log).run(stop)
+    try:
+        TelemetryService(job, log).run(stop)
+    finally:
+        lock.release()
     log.info("telemetry stopped")
     return 0
 

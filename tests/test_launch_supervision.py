@@ -148,3 +148,20 @@ def test_the_ring_and_sockets_are_removed_when_a_process_of_the_group_was_killed
         assert left == []
     finally:
         ring.unlink(missing_ok=True)
+
+
+def test_an_entry_point_run_in_process_gives_its_place_back_when_it_returns(job):
+    """bench.entry_worker calls `main()` of producer/consumer again and again in one process: the lock of a
+    finished run must not refuse the next one."""
+    run_dir = run_dir_of(job)
+
+    def main() -> str:
+        lock = enter(run_dir, "consumer-d0-r0")
+        return lock.launch_id
+
+    assert main() == "" and main() == ""
+    held = enter(run_dir, "consumer-d0-r0")
+    with pytest.raises(JobLocked, match=f"another consumer-d0-r0 pid {os.getpid()}"):
+        main()
+    held.release()
+    assert main() == ""
