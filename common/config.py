@@ -43,6 +43,29 @@ class TargetConfig(_Section):
     attn_implementation: Literal["auto", "eager", "sdpa", "flex_attention"] = "auto"
     num_features: Annotated[int, Field(ge=1, le=64)] = 5
     layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # overrides the DFlash formula
+    # tensor parallelism (producer/tp.py): one producer is a group of tp_size processes, rank 0 owns the ring
+    tp_size: Annotated[int, Field(ge=1, le=64)] = 1
+    # devices of every rank: tp_size entries, rank k on devices[k]; empty: every rank on `device`
+    devices: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _devices_match_ranks(self) -> TargetConfig:
+        if self.devices and len(self.devices) != self.tp_size:
+            raise ValueError(f"devices lists {len(self.devices)} entries but tp_size is {self.tp_size}")
+        if self.tp_size > 1:
+            devs = self.rank_devices
+            kinds = {d.split(":")[0] for d in devs}
+            if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
+                raise ValueError(f"a tensor-parallel group runs on CPUs or on CUDA devices, not {devs}")
+            if kinds == {"cuda"} and (len(set(devs)) != len(devs) or any(":" not in d for d in devs)):
+                raise ValueError(f"every rank of a tensor-parallel group needs its own numbered CUDA device"
+                                 f" (cuda:N), not {devs}")
+        return self
+
+    @property
+    def rank_devices(self) -> list[str]:
+        """The device of each tensor-parallel rank; rank 0's holds the ring."""
+        return list(self.devices) if self.devices else [self.device] * self.tp_size
 
 
 class DataConfig(_Section):
@@ -212,8 +235,8 @@ class JobConfig(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"drafters: duplicate name(s) {dupes}")
-        if self.transport.kind == "cuda" and not self.target.device.startswith("cuda"):
-            raise ValueError("transport.kind is 'cuda' but target.device is not a CUDA device")
+        if self.transport.kind == "cuda" and not self.target.rank_devices[0].startswith("cuda"):
+            raise ValueError("transport.kind is 'cuda' but the target's rank 0 device (target.device or target.devices[0]) is not a CUDA device")
         return self
 
     def drafter(self, name: str) -> DrafterConfig:
@@ -226,7 +249,7 @@ class JobConfig(_Section):
     def transport_kind(self) -> Literal["cpu", "cuda"]:
         if self.transport.kind != "auto":
             return self.transport.kind
-        return "cuda" if self.target.device.startswith("cuda") else "cpu"
+        return "cuda" if self.target.rank_devices[0].startswith("cuda") else "cpu"
 
     @property
     def run_paths(self) -> RunPaths:
@@ -330,7 +353,27 @@ def parse_job(doc: dict, source: str = "<job>") -> JobConfig:
             f" {IPC_PATH_MAX}-character limit of ipc:// endpoints; choose a shorter run_dir"
         )
     _check_slot_capacity(job, source)
+    _check_tensor_parallel(job, source)
     return job
+
+
+def _check_tensor_parallel(job: JobConfig, source: str) -> None:
+    """transformers' TP plans split attention by heads (and KV heads) and MLPs by columns: tp_size must divide
+    them. Checked when the target's config is on disk (a multimodal wrapper's numbers are in text_config)."""
+    tp = job.target.tp_size
+    cfg_path = Path(job.target.path) / "config.json"
+    if tp == 1 or not cfg_path.is_file():
+        return
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (ValueError, OSError):
+        return  # the producer names a broken config.json when it loads the target
+    text = cfg.get("text_config") or cfg
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = text.get(key)
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(f"{source}: target.tp_size: tp_size = {tp} does not divide the target's {key}"
+                              f" ({value}, {cfg_path}): tensor parallelism splits it evenly across the ranks")
 
 
 def _check_slot_capacity(job: JobConfig, source: str) -> None:

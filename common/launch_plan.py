@@ -10,6 +10,11 @@ MASTER_ADDR, MASTER_PORT = the base port + the drafter's index in the job (one r
 WORLD_SIZE = replicas × nnodes, RANK = node_rank × replicas + replica, LOCAL_RANK = replica,
 LOCAL_WORLD_SIZE = replicas, GROUP_RANK = node_rank. Every node must be given the same base port and the
 address of node 0 (defaults: $MASTER_ADDR or 127.0.0.1 on one node, $MASTER_PORT or 29500).
+
+A target with tp_size = N > 1 is N producer processes (`producer`, `producer-tp1`, ...; producer/tp.py), a
+torch.distributed group on this node: MASTER_ADDR 127.0.0.1, MASTER_PORT = base + number of drafters,
+WORLD_SIZE = N, RANK = k, LOCAL_RANK = the CUDA index of target.devices[k] (transformers binds cuda:LOCAL_RANK),
+or k on the CPU.
 """
 
 from __future__ import annotations
@@ -56,20 +61,34 @@ def group_env(drafter: DrafterConfig, index: int, replica: int, node_rank: int, 
     }
 
 
+def tp_env(job: JobConfig, rank: int, port: int) -> dict[str, str]:
+    """torchrun's variables for rank `rank` of the target's tensor-parallel group (one node, loopback); none
+    without TP. LOCAL_RANK is the rank's CUDA device index (transformers binds cuda:LOCAL_RANK), else the rank."""
+    tp = job.target.tp_size
+    if tp == 1:
+        return {}
+    dev = job.target.rank_devices[rank]
+    local = dev.split(":")[1] if dev.startswith("cuda:") else str(rank)
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(tp), "RANK": str(rank),
+            "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": str(tp)}
+
+
 def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes: int = 1,
          master_addr: str = "127.0.0.1", master_port: int = DEFAULT_MASTER_PORT) -> list[ProcessSpec]:
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
-    if not 0 < master_port <= 65535 - len(job.drafters):
-        raise ConfigError(f"--master-port {master_port}: the drafters' ports {master_port}.."
-                          f"{master_port + len(job.drafters) - 1} must lie in 1..65535")
+    if not 0 < master_port <= 65535 - len(job.drafters) - 1:
+        raise ConfigError(f"--master-port {master_port}: the drafters' and the target group's ports {master_port}.."
+                          f"{master_port + len(job.drafters)} must lie in 1..65535")
     logs = job.run_paths.logs
     node = ["--node-rank", str(node_rank), "--nnodes", str(nnodes)]
     procs = [
         ProcessSpec("telemetry", [python, "-m", "telemetry", "--job", job_path], False, str(logs / "telemetry.log")),
-        ProcessSpec("producer", [python, "-m", "producer", "--job", job_path, *node], True,
-                    str(logs / "producer.log")),
     ]
+    for rank in range(job.target.tp_size):
+        name = "producer" if rank == 0 else f"producer-tp{rank}"
+        procs.append(ProcessSpec(name, [python, "-m", "producer", "--job", job_path, *node], True,
+                                 str(logs / f"{name}.log"), tp_env(job, rank, master_port + len(job.drafters))))
     for i, d in enumerate(job.drafters):
         for r in range(d.replicas):
             name = f"consumer-{d.name}-r{r}"

@@ -26,6 +26,7 @@ from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService
 from producer.target import TargetLoadError, load_target
+from producer.tp import LeaderTarget, TPRank, TPSetupError, follow, init_group
 
 log = logging.getLogger("producer")
 
@@ -84,26 +85,38 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
+    control = None  # tensor parallelism (producer/tp.py): the group's command channel
     try:
         job = load_job(args.job)
+        tp = TPRank.from_env(job.target.tp_size) if job.target.tp_size > 1 else TPRank(0, 1, 0)
         check_writable(job.run_paths.root, "run folder")
-        lock = enter(job.run_paths.root, "producer", args.node_rank)  # held for life: one job per run folder
+        name = "producer" if tp.rank == 0 else f"producer-tp{tp.rank}"
+        lock = enter(job.run_paths.root, name, args.node_rank)  # held for life: one job per run folder
         job.run_paths.make()
-        if os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
+        if tp.rank == 0 and os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
             shutil.copyfile(args.job, job.run_paths.job_copy)
+        # the data first: a tensor-parallel group's followers wait for rank 0 with a timeout once it is formed
+        dataset, plan = build_dataset(job, args.node_rank, args.nnodes) if tp.rank == 0 else (None, None)
+        device = job.target.rank_devices[tp.rank]
+        if tp.world > 1:
+            control = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
-                             job.target.device, job.target.attn_implementation)
-        dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
-    except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError) as err:
+                             device, job.target.attn_implementation, tp_size=tp.world)
+    except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError) as err:
         log.error("%s", err)
         return 2
+    if tp.rank > 0:
+        log.info("tensor-parallel rank %d of %d on %s: following rank 0", tp.rank, tp.world, device)
+        return follow(target, control)
     log.info("target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s", job.target.path,
              target.layers_run, target.num_target_layers, target.layer_ids, target.hidden_size,
-             target.feature_width, job.target.dtype, job.target.device)
+             target.feature_width, job.target.dtype, device)
 
     interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
     prof = ProfileStats() if interval > 0 else None
     target.prof = prof  # counts the batches that run one forward per sequence
+    if control is not None:
+        target = LeaderTarget(target, control, keepalive_s=job.transport.heartbeat_interval_s)
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", "producer", interval, prof) if prof else None
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),
@@ -115,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)
+        if isinstance(target, LeaderTarget):
+            target.stop()
         return 2
     try:
         return service.run()
     finally:
         if stats:
             stats.close()
+        if isinstance(target, LeaderTarget):
+            target.stop()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from common.security import private_dir, server_curve
 from common.slot_table import SlotTable
 from producer.delivery import Delivery
 from producer.target import TargetCapture
+from producer.tp import LeaderTarget
 
 log = logging.getLogger("producer")
 
@@ -100,7 +101,7 @@ class ProducerService:
         private_dir(job.run_paths.sockets)  # whoever can write there can talk to us: this user alone
         curve = server_curve(job.run_paths) if t.use_curve else None
         self.ring = SlotRing.create(
-            job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.device
+            job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.rank_devices[0]
         )
         self.table = SlotTable(job.transport.slots)
         self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group)
@@ -222,6 +223,8 @@ class ProducerService:
 
     # ------------------------------------------------------------------------------------ messages
     def _handle_messages(self, timeout_s: float) -> None:
+        if isinstance(self.target, LeaderTarget):
+            self.target.keepalive()  # a tensor-parallel group's followers wait for rank 0 with a timeout
         deadline = time.monotonic() + timeout_s
         while True:
             ev = self.channel.recv(max(0.0, deadline - time.monotonic()))
