@@ -50,6 +50,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
+from transformers.distributed import DistributedConfig
 from transformers.masking_utils import (
     create_causal_mask,
     create_chunked_causal_mask,
@@ -329,8 +330,12 @@ def load_target(
     dtype: str = "bfloat16",
     device: str = "cpu",
     attn_implementation: str = "auto",
+    tp_size: int = 1,
 ) -> TargetCapture:
     """Load the target in `path` (local files only) truncated after its last captured layer, frozen, eval mode.
+
+    tp_size > 1: this process's shard of a tensor-parallel group (producer/tp.py; torch.distributed joined
+    already), through transformers' own plan for the model; the outputs are replicated on every rank.
 
     layer_ids default to the DFlash formula dflash_layer_ids(N, num_features); id i is the OUTPUT of decoder
     layer i (HF hidden_states[i + 1]).
@@ -367,6 +372,7 @@ def load_target(
     # missing weight is turned into an error instead (a random layer would silently corrupt the features).
     report_logger = logging.getLogger("transformers.modeling_utils")
     report_logger.addFilter(_errors_only)
+    parallel = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     try:
         model, info = AutoModel.from_pretrained(  # the base decoder: the LM head is never read
             path,
@@ -375,6 +381,7 @@ def load_target(
             dtype=DTYPES[dtype],
             attn_implementation=attn,
             output_loading_info=True,
+            **parallel,
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise TargetLoadError(f"{path}: cannot load the target's weights ({_weights_present(path)}): {err}") from err
@@ -389,7 +396,9 @@ def load_target(
         model.norm = nn.Identity()  # the final norm only feeds the LM head
     if not hasattr(model, "layers") or len(model.layers) != keep:
         raise TargetLoadError(f"{path}: {type(model).__name__} has no `layers` list of {keep} decoder layers")
-    model.requires_grad_(False).eval().to(device)
+    model.requires_grad_(False).eval()
+    if tp_size == 1:  # a tensor-parallel shard is already on its rank's device
+        model.to(device)
     return TargetCapture(model, model.config, ids, n_layers)
 
 
