@@ -71,6 +71,7 @@ MASK_BUILDERS = {
 }
 ATTENTION_KINDS = set(MASK_BUILDERS)
 LINEAR_KIND = "linear_attention"
+PAD_SLACK = 1.3  # a padded group holds at most 30% more rows than tokens
 PROBE_TOLERANCE = {torch.float32: 1e-4}  # 16-bit dtypes: 5e-2 (rounding of a different expert batching)
 # (implementation, the model-class flag saying it is supported; eager always is)
 ATTN_FLAGS = (("flex_attention", "_supports_flex_attn"), ("sdpa", "_supports_sdpa"), ("eager", None))
@@ -83,28 +84,61 @@ class TargetLoadError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Segments:
-    """Where the packed sequences lie, for running a per-sequence module as a right-padded batch [B, L]."""
+class PaddedGroup:
+    """Sequences of similar length as one right-padded batch [B, L]."""
 
     batch: int
     max_len: int
     gather: torch.Tensor  # [B·L] index into the packed tokens, T (a zero row) for padding
-    scatter: torch.Tensor  # [T] index of each packed token in the flattened padded batch
+    valid: torch.Tensor  # [n] rows of the flattened padded batch that hold tokens
+    dest: torch.Tensor  # [n] where those tokens lie in the packed batch
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where the packed sequences lie, for running a per-sequence module as a few right-padded batches.
+
+    Sequences sorted by length are cut into groups whose padding stays under PAD_SLACK of their tokens (so
+    one long sequence does not make nine short ones pay its length), each group one call of the module.
+    """
+
+    groups: tuple[PaddedGroup, ...]
 
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor, device: torch.device) -> Segments:
         lengths = lengths.to("cpu", torch.int64)
-        total, batch, max_len = int(lengths.sum()), len(lengths), int(lengths.max())
+        total = int(lengths.sum())
         starts = torch.cumsum(lengths, 0) - lengths
+        order = torch.argsort(lengths, descending=True, stable=True).tolist()
+        groups, current = [], []
+        for i in order:
+            n = int(lengths[i])
+            if current and (len(current) + 1) * int(lengths[current[0]]) > PAD_SLACK * (
+                int(lengths[current].sum()) + n
+            ):
+                groups.append(current)
+                current = []
+            current.append(i)
+        groups.append(current)
+        return cls(tuple(cls._group(lengths[g], starts[g], total, device) for g in groups))
+
+    @staticmethod
+    def _group(lengths: torch.Tensor, starts: torch.Tensor, total: int, device: torch.device) -> PaddedGroup:
+        max_len = int(lengths.max())
         pos = torch.arange(max_len)
         valid = pos[None, :] < lengths[:, None]  # [B, L]
-        gather = torch.where(valid, starts[:, None] + pos[None, :], torch.tensor(total)).flatten()
-        scatter = (torch.arange(batch)[:, None] * max_len + pos[None, :])[valid]
-        return cls(batch, max_len, gather.to(device, non_blocking=True), scatter.to(device, non_blocking=True))
+        src = starts[:, None] + pos[None, :]
+        gather = torch.where(valid, src, torch.tensor(total)).flatten()
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return PaddedGroup(
+            len(lengths), max_len, put(gather), put(valid.flatten().nonzero().flatten()), put(src[valid])
+        )
 
 
 class PaddedBatchMixer(nn.Module):
-    """Runs a recurrent token mixer (e.g. Gated DeltaNet) on packed sequences as a right-padded batch.
+    """Runs a recurrent token mixer (e.g. Gated DeltaNet) on packed sequences as right-padded batches.
 
     The wrapped module is the model's own; only its input is regrouped, so no state crosses sequences.
     """
@@ -119,9 +153,15 @@ class PaddedBatchMixer(nn.Module):
         if seg is None:  # one sequence: nothing to keep apart
             return self.inner(hidden_states)
         flat = hidden_states[0]  # [T, H]
-        padded = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])[seg.gather]
-        out = self.inner(padded.view(seg.batch, seg.max_len, -1))  # no cache, no mask: padding is at the end
-        return out.reshape(seg.batch * seg.max_len, -1)[seg.scatter].unsqueeze(0)
+        padded_source = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
+        out = None
+        for g in seg.groups:
+            y = self.inner(padded_source[g.gather].view(g.batch, g.max_len, -1))  # no cache, no mask: pads at the end
+            y = y.reshape(g.batch * g.max_len, -1)[g.valid]
+            if out is None:
+                out = y.new_empty(flat.shape[0], y.shape[-1])
+            out.index_copy_(0, g.dest, y)
+        return out.unsqueeze(0)
 
 
 class TargetCapture:

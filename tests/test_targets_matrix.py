@@ -22,7 +22,13 @@ from transformers import AutoModelForCausalLM
 
 from common.profile import ProfileStats
 from consumer.target_parts import TargetPartsError, load_target_parts
-from producer.target import PaddedBatchMixer, TargetLoadError, choose_attn_implementation, load_target
+from producer.target import (
+    PaddedBatchMixer,
+    Segments,
+    TargetLoadError,
+    choose_attn_implementation,
+    load_target,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [5, 17, 1, 30, 12]  # 30 and 17 > SLIDING_WINDOW: a window leak or a lost window would show
@@ -165,6 +171,17 @@ def test_attention_sinks_and_hybrid_layers_pack_their_own_way(zoo):
     assert hybrid.packing == "position_ids"
     wrapped = [m for m in hybrid.model.modules() if isinstance(m, PaddedBatchMixer)]
     assert len(wrapped) == 3  # the three Gated DeltaNet layers of four
+
+
+def test_padded_groups_cover_every_token_once_and_bound_the_padding():
+    lengths = torch.tensor(LENGTHS)  # sorted: 30 17 | 12 | 5 | 1 (padding within 30% of the tokens)
+    seg = Segments.from_lengths(lengths, torch.device("cpu"))
+    assert [(g.batch, g.max_len) for g in seg.groups] == [(2, 30), (1, 12), (1, 5), (1, 1)]
+    dest = torch.cat([g.dest for g in seg.groups])
+    assert sorted(dest.tolist()) == list(range(sum(LENGTHS)))
+    for g in seg.groups:  # the padded rows hold exactly their tokens, in order, and the zero row elsewhere
+        assert torch.equal(g.gather[g.valid], g.dest)
+        assert (g.gather == sum(LENGTHS)).sum() == g.batch * g.max_len - len(g.dest)
 
 
 def test_a_leak_is_caught_by_the_probe_and_the_batch_runs_per_sequence(zoo, monkeypatch):
