@@ -1,7 +1,8 @@
 """The fault-injection soak, short: every fault kind at least once, then nothing lost, repeated or leaked.
 
 Runs bench.soak in its own process (it starts and kills a whole job). About 60 s of chaos; with start-up,
-recoveries and the audit it takes 2-4 minutes on 2 busy cores. The checkpoint_enospc kind mounts a tmpfs and
+recoveries (a producer restart, consumer restarts, a refused second launch, ...) and the audit it took
+5.7 minutes on 2 busy cores. The checkpoint_enospc kind mounts a tmpfs and
 is left out when not running as root.
 """
 
