@@ -78,9 +78,10 @@ printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLAS
 mkdir -p "$run_dir/logs" || exit 2
 
 cleanup() {  # the group is over (every way out of this script passes here): its ring and sockets go
-  [[ -n $ring_file ]] && rm -f "$ring_file"
+  [[ -n $ring_file ]] && rm -f "$ring_file" "$ring_file"p[0-9]*  # p<r>: the rings of target replicas r > 0
   find "$run_dir/sockets" -maxdepth 1 -type s -delete 2>/dev/null
-  rm -f "$run_dir/sockets/control.sock.lock" "$run_dir/sockets/control.endpoint"
+  rm -f "$run_dir/sockets/control.sock.lock" "$run_dir/sockets/control.endpoint" \
+    "$run_dir"/sockets/control-p[0-9]*.sock.lock "$run_dir"/sockets/control-p[0-9]*.endpoint
 }
 trap cleanup EXIT
 
@@ -157,7 +158,15 @@ while ((critical_left > 0)); do
   done_pid=""
   wait -n -p done_pid "${pids[@]}"
   st=$?
-  [[ -z ${done_pid:-} ]] && continue  # interrupted by a signal (which unsets done_pid): acted on at the top of the loop
+  if [[ -z ${done_pid:-} ]]; then  # interrupted by a signal (which unsets done_pid): acted on at the top of the loop
+    if [[ -z $stop_sig && $st == 127 ]]; then  # no child left to wait for: never spin, end the job
+      echo "launch.sh: lost track of the group (pids ${pids[*]}); tearing the job down" >&2
+      status=1
+      stop_all TERM
+      break
+    fi
+    continue
+  fi
   collected "$done_pid"
   name=${name_of[$done_pid]}
   if [[ ${critical_of[$done_pid]} == 0 ]]; then
