@@ -45,27 +45,36 @@ class TargetConfig(_Section):
     layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # overrides the DFlash formula
     # tensor parallelism (producer/tp.py): one producer is a group of tp_size processes, rank 0 owns the ring
     tp_size: Annotated[int, Field(ge=1, le=64)] = 1
-    # devices of every rank: tp_size entries, rank k on devices[k]; empty: every rank on `device`
+    # target replicas: producers (each a TP group), each making its own batches of the node's plan, its own ring;
+    # every consumer attaches to every one of them
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    # every rank's device: replicas × tp_size entries, replica r's rank k on devices[r·tp_size + k];
+    # empty: every rank on `device`
     devices: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _devices_match_ranks(self) -> TargetConfig:
-        if self.devices and len(self.devices) != self.tp_size:
-            raise ValueError(f"devices lists {len(self.devices)} entries but tp_size is {self.tp_size}")
-        if self.tp_size > 1:
-            devs = self.rank_devices
+        ranks = self.replicas * self.tp_size
+        if self.devices and len(self.devices) != ranks:
+            raise ValueError(f"devices lists {len(self.devices)} entries but replicas × tp_size is {ranks}")
+        for r in range(self.replicas):
+            devs = self.devices_of(r)
             kinds = {d.split(":")[0] for d in devs}
-            if len(kinds) > 1 or not kinds <= {"cpu", "cuda"}:
+            if self.tp_size > 1 and (len(kinds) > 1 or not kinds <= {"cpu", "cuda"}):
                 raise ValueError(f"a tensor-parallel group runs on CPUs or on CUDA devices, not {devs}")
-            if kinds == {"cuda"} and (len(set(devs)) != len(devs) or any(":" not in d for d in devs)):
+            if self.tp_size > 1 and kinds == {"cuda"} and (len(set(devs)) != len(devs) or any(":" not in d for d in devs)):
                 raise ValueError(f"every rank of a tensor-parallel group needs its own numbered CUDA device"
                                  f" (cuda:N), not {devs}")
+        cuda = [d for d in self.devices if d.startswith("cuda")]
+        if len(set(cuda)) != len(cuda):
+            raise ValueError(f"devices {self.devices}: a CUDA device is listed twice (each rank needs its own)")
         return self
 
-    @property
-    def rank_devices(self) -> list[str]:
-        """The device of each tensor-parallel rank; rank 0's holds the ring."""
-        return list(self.devices) if self.devices else [self.device] * self.tp_size
+    def devices_of(self, replica: int) -> list[str]:
+        """The device of each tensor-parallel rank of target replica `replica`; rank 0's holds its ring."""
+        if not self.devices:
+            return [self.device] * self.tp_size
+        return list(self.devices[replica * self.tp_size:(replica + 1) * self.tp_size])
 
 
 class DataConfig(_Section):
@@ -235,7 +244,7 @@ class JobConfig(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"drafters: duplicate name(s) {dupes}")
-        if self.transport.kind == "cuda" and not self.target.rank_devices[0].startswith("cuda"):
+        if self.transport.kind == "cuda" and not self.target.devices_of(0)[0].startswith("cuda"):
             raise ValueError("transport.kind is 'cuda' but the target's rank 0 device (target.device or target.devices[0]) is not a CUDA device")
         return self
 
@@ -249,7 +258,7 @@ class JobConfig(_Section):
     def transport_kind(self) -> Literal["cpu", "cuda"]:
         if self.transport.kind != "auto":
             return self.transport.kind
-        return "cuda" if self.target.rank_devices[0].startswith("cuda") else "cpu"
+        return "cuda" if self.target.devices_of(0)[0].startswith("cuda") else "cpu"
 
     @property
     def run_paths(self) -> RunPaths:
@@ -288,6 +297,15 @@ class RunPaths:
 
     def checkpoints(self, drafter: str) -> Path:
         return self.root / "checkpoints" / drafter
+
+    @staticmethod
+    def control_socket(producer: int = 0) -> str:
+        """The control socket's file name in sockets/ of target replica `producer` (its producer)."""
+        return "control.sock" if producer == 0 else f"control-p{producer}.sock"
+
+    def control_endpoint(self, producer: int = 0) -> Path:
+        """Where target replica `producer`'s producer writes the endpoint it listens on."""
+        return self.sockets / ("control.endpoint" if producer == 0 else f"control-p{producer}.endpoint")
 
     def ipc(self, name: str) -> str:
         return f"ipc://{(self.sockets / name).resolve()}"

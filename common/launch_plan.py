@@ -11,8 +11,9 @@ WORLD_SIZE = replicas × nnodes, RANK = node_rank × replicas + replica, LOCAL_R
 LOCAL_WORLD_SIZE = replicas, GROUP_RANK = node_rank. Every node must be given the same base port and the
 address of node 0 (defaults: $MASTER_ADDR or 127.0.0.1 on one node, $MASTER_PORT or 29500).
 
-A target with tp_size = N > 1 is N producer processes (`producer`, `producer-tp1`, ...; producer/tp.py), a
-torch.distributed group on this node: MASTER_ADDR 127.0.0.1, MASTER_PORT = base + number of drafters,
+Target replicas: one producer per replica (`producer`, `producer-p1`, ...; `--replica p`). A target with
+tp_size = N > 1 makes each of them N processes (`producer-p1`, `producer-p1-tp1`, ...; producer/tp.py), a
+torch.distributed group on this node: MASTER_ADDR 127.0.0.1, MASTER_PORT = base + number of drafters + p,
 WORLD_SIZE = N, RANK = k, LOCAL_RANK = the CUDA index of target.devices[k] (transformers binds cuda:LOCAL_RANK),
 or k on the CPU.
 """
@@ -61,13 +62,19 @@ def group_env(drafter: DrafterConfig, index: int, replica: int, node_rank: int, 
     }
 
 
-def tp_env(job: JobConfig, rank: int, port: int) -> dict[str, str]:
-    """torchrun's variables for rank `rank` of the target's tensor-parallel group (one node, loopback); none
-    without TP. LOCAL_RANK is the rank's CUDA device index (transformers binds cuda:LOCAL_RANK), else the rank."""
+def producer_name(replica: int, rank: int = 0) -> str:
+    """`producer`, `producer-p1`, ... for the target replicas; `-tp<k>` for rank k of a tensor-parallel group."""
+    return "producer" + (f"-p{replica}" if replica else "") + (f"-tp{rank}" if rank else "")
+
+
+def tp_env(job: JobConfig, replica: int, rank: int, port: int) -> dict[str, str]:
+    """torchrun's variables for rank `rank` of target replica `replica`'s tensor-parallel group (one node,
+    loopback); none without TP. LOCAL_RANK is the rank's CUDA device index (transformers binds
+    cuda:LOCAL_RANK), else the rank."""
     tp = job.target.tp_size
     if tp == 1:
         return {}
-    dev = job.target.rank_devices[rank]
+    dev = job.target.devices_of(replica)[rank]
     local = dev.split(":")[1] if dev.startswith("cuda:") else str(rank)
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(tp), "RANK": str(rank),
             "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": str(tp)}
@@ -77,18 +84,22 @@ def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes:
          master_addr: str = "127.0.0.1", master_port: int = DEFAULT_MASTER_PORT) -> list[ProcessSpec]:
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
-    if not 0 < master_port <= 65535 - len(job.drafters) - 1:
-        raise ConfigError(f"--master-port {master_port}: the drafters' and the target group's ports {master_port}.."
-                          f"{master_port + len(job.drafters)} must lie in 1..65535")
+    last = master_port + len(job.drafters) + job.target.replicas - 1
+    if not 0 < master_port <= last <= 65535:
+        raise ConfigError(f"--master-port {master_port}: the drafters' and the target groups' ports {master_port}.."
+                          f"{last} must lie in 1..65535")
     logs = job.run_paths.logs
     node = ["--node-rank", str(node_rank), "--nnodes", str(nnodes)]
     procs = [
         ProcessSpec("telemetry", [python, "-m", "telemetry", "--job", job_path], False, str(logs / "telemetry.log")),
     ]
-    for rank in range(job.target.tp_size):
-        name = "producer" if rank == 0 else f"producer-tp{rank}"
-        procs.append(ProcessSpec(name, [python, "-m", "producer", "--job", job_path, *node], True,
-                                 str(logs / f"{name}.log"), tp_env(job, rank, master_port + len(job.drafters))))
+    replicas = job.target.replicas
+    for p in range(replicas):
+        which = ["--replica", str(p)] if replicas > 1 else []
+        for rank in range(job.target.tp_size):
+            name = producer_name(p, rank)
+            procs.append(ProcessSpec(name, [python, "-m", "producer", "--job", job_path, *node, *which], True,
+                                     str(logs / f"{name}.log"), tp_env(job, p, rank, master_port + len(job.drafters) + p)))
     for i, d in enumerate(job.drafters):
         for r in range(d.replicas):
             name = f"consumer-{d.name}-r{r}"

@@ -21,6 +21,7 @@ from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
+from consumer.fanin import FanIn
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts
@@ -136,8 +137,12 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
 
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval, prof) if prof else None
     # the stream asks for the resume seq on every (re)attachment: the service knows it (bound late)
-    stream = BatchStream(job, cfg.name, env.local_rank, device, resume_seq=lambda: service.resume_seq(), prof=prof,
-                         node=env.node_rank, launch_id=launch_id, stopping=lambda: stop.reason is not None)
+    # one stream per target replica's producer (consumer/fanin.py); each asks for its own resume seq
+    producers = job.target.replicas
+    streams = [BatchStream(job, cfg.name, env.local_rank, device, resume_seq=lambda p=p: service.resume_seq(p),
+                           prof=prof, node=env.node_rank, launch_id=launch_id,
+                           stopping=lambda: stop.reason is not None, producer=p) for p in range(producers)]
+    stream = streams[0] if producers == 1 else FanIn(streams)
     service = ConsumerService(
         trainer, stream, lambda what: save_checkpoint(ckpt_root, what),
         group=group, cursor=cursor, checkpoint_every=cfg.checkpoint_every,
@@ -146,7 +151,7 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
                            base=ledger_id_of(resumed[1]) if resumed else None,
                            resumed_from=resumed[0] if resumed else None),
-        stop=stop,
+        stop=stop, producers=producers,
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
              cfg.num_layers, cfg.block_size, layer_ids)

@@ -73,9 +73,11 @@ class ConsumerService:
         trace: StepTrace | None = None,
         ledger: TrainLedger | None = None,
         stop: StopSignal | None = None,
+        producers: int = 1,
     ):
         """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
-        `cursor` is where the group resumes (from its checkpoint, or fresh)."""
+        `cursor` is where the group resumes (from its checkpoint, or fresh). `producers`: the node's target
+        replicas feeding this stream (consumer/fanin.py); producer p makes the seqs ≡ p mod producers."""
         self.trainer = trainer
         self.stream = stream
         self.save_checkpoint = save_checkpoint
@@ -103,11 +105,13 @@ class ConsumerService:
         self._group_tokens = 0  # the group's tokens in the step being accumulated
         self._trained: list[int] = []  # seqs of completed steps since the last checkpoint
         self._skip = set(cursor.trained_above[self.node])  # trained before the checkpoint we resumed from
-        self._highest_seen = cursor.cursors[self.node] - 1
+        self.producers = producers
+        self._highest_seen: dict[int, int] = {}  # per producer: the highest seq trained since the start
 
-    def resume_seq(self) -> int:
-        """The seq this replica asks for in HELLO: the group's cursor at start, past what it trained after."""
-        return max(self.cursor.cursors[self.node], self._highest_seen + 1)
+    def resume_seq(self, producer: int = 0) -> int:
+        """The seq this replica asks `producer` for in HELLO: the group's cursor at start, past what it
+        trained from that producer after (a producer resumes at its first seq from there)."""
+        return max(self.cursor.cursors[self.node], self._highest_seen.get(producer, -1) + 1)
 
     @property
     def _stop_reason(self) -> str | None:
@@ -188,7 +192,8 @@ class ConsumerService:
             self.trainer.accumulate(item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.seq)
             self._round = item
             self._round_tokens = item.input_ids.numel()
-            self._highest_seen = max(self._highest_seen, item.seq)
+            p = item.seq % self.producers
+            self._highest_seen[p] = max(self._highest_seen.get(p, -1), item.seq)
 
     def _flags(self) -> RoundFlags:
         starved = self._round is None and time.monotonic() - self._waiting_since >= self.idle_timeout_s

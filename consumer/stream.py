@@ -71,10 +71,12 @@ class BatchStream:
         node: int = 0,
         launch_id: str = "",
         stopping: Callable[[], bool] = lambda: False,
+        producer: int = 0,
     ):
         """`resume_seq()` gives the next seq this drafter needs (asked again on every re-attachment);
         `launch_id` is the launch this process belongs to (common/joblock.py); `stopping()` is polled while
-        waiting for the producer, so a SIGTERM during start-up is honoured at once (raises `StopRequested`)."""
+        waiting for the producer, so a SIGTERM during start-up is honoured at once (raises `StopRequested`);
+        `producer`: which target replica's producer this stream attaches to (consumer/fanin.py holds one each)."""
         self.job = job
         self.node = node
         self.launch_id = launch_id
@@ -84,9 +86,10 @@ class BatchStream:
         self.device = device
         self.resume_seq = resume_seq
         self.prof = prof
+        self.producer = producer
         t = job.transport
         private_dir(job.run_paths.sockets)  # never talk through a folder another user controls
-        endpoint = job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else self._tcp_endpoint()
+        endpoint = job.run_paths.ipc(job.run_paths.control_socket(producer)) if t.endpoint == "ipc" else self._tcp_endpoint()
         curve = client_curve(job.run_paths) if t.use_curve else None  # the producer made the keys before binding
         # the launch is part of the identity: ROUTER_HANDOVER gives an identity to a newcomer of the same launch
         # (a restarted replica), never to one of another launch, whose HELLO the producer then rejects
@@ -103,7 +106,7 @@ class BatchStream:
         self._tag = torch.empty(1, dtype=torch.int64, pin_memory=device.type == "cuda")  # the slot's seq tag
 
     def _tcp_endpoint(self) -> str:
-        path = self.job.run_paths.sockets / "control.endpoint"
+        path = self.job.run_paths.control_endpoint(self.producer)
         deadline = time.monotonic() + self.job.transport.attach_timeout_s
         while not path.exists():
             if self.stopping():

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from common.accounting import DeliveryLedger
 from common.config import ConfigError, JobConfig, load_job
 from common.joblock import JobLocked, enter
+from common.launch_plan import producer_name
 from common.profile import ProfileStats
 from common.ring import RingError
 from common.stats import StatsPublisher
@@ -31,11 +32,13 @@ from producer.tp import LeaderTarget, TPRank, TPSetupError, follow, init_group
 log = logging.getLogger("producer")
 
 
-def batch_stream(dataset: ChatDataset, plan: BatchPlan, depth: int) -> Callable[[int], Iterator[PackedBatch]]:
-    """`batches_from(seq)`: packed batches from `seq` on, tokenized ahead by a background thread."""
+def batch_stream(dataset: ChatDataset, plan: BatchPlan, depth: int, stride: int = 1) -> Callable[[int], Iterator[PackedBatch]]:
+    """`batches_from(seq)`: packed batches seq, seq + stride, ... (a target replica's share of the plan),
+    tokenized ahead by a background thread."""
 
     def batches_from(seq: int) -> Iterator[PackedBatch]:
-        with Prefetcher(dataset, plan.batches_from(seq), depth=depth) as prefetcher:
+        mine = (b for b in plan.batches_from(seq) if (b.seq - seq) % stride == 0)
+        with Prefetcher(dataset, mine, depth=depth) as prefetcher:
             while True:
                 try:
                     batch = prefetcher.get(timeout=30.0)
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--replica", type=int, default=0, help="which target replica (target.replicas) this producer is")
     ap.add_argument("--profile-interval", type=float, default=None,
                     help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
     args = ap.parse_args(argv)
@@ -88,16 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     control = None  # tensor parallelism (producer/tp.py): the group's command channel
     try:
         job = load_job(args.job)
+        if not 0 <= args.replica < job.target.replicas:
+            raise ConfigError(f"{args.job}: --replica {args.replica} is outside target.replicas ="
+                              f" {job.target.replicas} (0..{job.target.replicas - 1})")
         tp = TPRank.from_env(job.target.tp_size) if job.target.tp_size > 1 else TPRank(0, 1, 0)
         check_writable(job.run_paths.root, "run folder")
-        name = "producer" if tp.rank == 0 else f"producer-tp{tp.rank}"
+        name = producer_name(args.replica, tp.rank)
         lock = enter(job.run_paths.root, name, args.node_rank)  # held for life: one job per run folder
         job.run_paths.make()
         if tp.rank == 0 and os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
             shutil.copyfile(args.job, job.run_paths.job_copy)
         # the data first: a tensor-parallel group's followers wait for rank 0 with a timeout once it is formed
         dataset, plan = build_dataset(job, args.node_rank, args.nnodes) if tp.rank == 0 else (None, None)
-        device = job.target.rank_devices[tp.rank]
+        device = job.target.devices_of(args.replica)[tp.rank]
         if tp.world > 1:
             control = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
@@ -117,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     target.prof = prof  # counts the batches that run one forward per sequence
     if control is not None:
         target = LeaderTarget(target, control, keepalive_s=job.transport.heartbeat_interval_s)
-    stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", "producer", interval, prof) if prof else None
+    stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", name, interval, prof) if prof else None
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),
                                 [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist())
         service = ProducerService(
-            job, target, batch_stream(dataset, plan, job.data.prefetch_batches), len(plan),
-            ring_name=f"{job.job.name}-n{args.node_rank}", prof=prof, stats=stats, ledger=ledger,
-            launch_id=lock.launch_id, node=args.node_rank,
+            job, target, batch_stream(dataset, plan, job.data.prefetch_batches, job.target.replicas), len(plan),
+            ring_name=f"{job.job.name}-n{args.node_rank}" + (f"p{args.replica}" if args.replica else ""),
+            prof=prof, stats=stats, ledger=ledger, launch_id=lock.launch_id, node=args.node_rank, replica=args.replica,
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)

@@ -38,9 +38,14 @@ class Group:
 
 
 class Delivery:
-    def __init__(self, drafters: list[str], total_batches: int, on_dead_group: Literal["block", "skip"] = "block"):
+    def __init__(self, drafters: list[str], total_batches: int, on_dead_group: Literal["block", "skip"] = "block",
+                 *, stride: int = 1, offset: int = 0):
+        """`stride`, `offset`: this producer makes the seqs offset, offset + stride, ... of the node's plan
+        (target replica `offset` of `stride`; the other seqs are the other replicas')."""
         self.groups = {d: Group(d) for d in drafters}
         self.total_batches = total_batches
+        self.stride = stride
+        self.offset = offset
         self.on_dead_group = on_dead_group
         self._epochs = itertools.count(1)
         self.by_peer: dict[bytes, Member] = {}
@@ -64,10 +69,15 @@ class Delivery:
         if not group.live():
             # the group (re)forms: it resumes where its checkpoint says, replaying what it lost in a crash;
             # a member joining a running group joins its stream where it is
-            group.cursor = min(max(member.resume_seq, 0), self.total_batches)
+            group.cursor = min(self.first_from(member.resume_seq), self.total_batches)
             group.ended = group.cursor >= self.total_batches
         member.attached = True
         return member
+
+    def first_from(self, seq: int) -> int:
+        """This producer's first seq at or after `seq`."""
+        seq = max(seq, 0)
+        return seq + (self.offset - seq) % self.stride
 
     def leave(self, peer: bytes) -> Member | None:
         member = self.by_peer.pop(peer, None)
@@ -102,7 +112,7 @@ class Delivery:
                 continue
             member = live[g.next_member % len(live)]
             g.next_member += 1
-            g.cursor += 1
+            g.cursor += self.stride
             g.ended = g.cursor >= self.total_batches
             member.batches += 1
             chosen.append(member)

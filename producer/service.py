@@ -80,9 +80,11 @@ class ProducerService:
         ledger: DeliveryLedger | None = None,
         launch_id: str = "",
         node: int = 0,
+        replica: int = 0,
     ):
         """`ledger`: the job log every delivered batch is appended to (common/accounting.py); `launch_id`: the
-        launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank."""
+        launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank;
+        `replica`: which target replica it is (it makes the seqs replica, replica + replicas, ... of the plan)."""
         self.job = job
         self.launch_id = launch_id
         self.node = node
@@ -101,18 +103,19 @@ class ProducerService:
         private_dir(job.run_paths.sockets)  # whoever can write there can talk to us: this user alone
         curve = server_curve(job.run_paths) if t.use_curve else None
         self.ring = SlotRing.create(
-            job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.rank_devices[0]
+            job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.devices_of(replica)[0]
         )
         self.table = SlotTable(job.transport.slots)
-        self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group)
+        self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group,
+                                 stride=job.target.replicas, offset=replica)
         try:
-            self.channel = ProducerChannel(job.run_paths.ipc("control.sock") if t.endpoint == "ipc" else
+            self.channel = ProducerChannel(job.run_paths.ipc(job.run_paths.control_socket(replica)) if t.endpoint == "ipc" else
                                            f"tcp://{t.tcp_host}:{t.tcp_port or '*'}",
                                            t.heartbeat_interval_s, t.heartbeat_timeout_s, curve=curve)
         except BaseException:
             self.ring.close()  # a producer that cannot listen must not leave its ring in /dev/shm
             raise
-        (job.run_paths.sockets / "control.endpoint").write_text(self.channel.endpoint)
+        job.run_paths.control_endpoint(replica).write_text(self.channel.endpoint)
         self._stop_reason: str | None = None
         self._ended_peers: set[bytes] = set()
         self._stream: Generator[PackedBatch, None, None] | None = None
@@ -161,7 +164,7 @@ class ProducerService:
             batch = next(self._stream)
         if batch.seq != seq:
             raise RuntimeError(f"batch stream gave seq {batch.seq}, expected {seq}: the batch plan is not deterministic")
-        self._stream_next = seq + 1
+        self._stream_next = seq + self.delivery.stride
         return batch
 
     def _write_slot(self, slot: int, batch: PackedBatch) -> list[TensorSpec]:

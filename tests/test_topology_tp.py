@@ -89,7 +89,7 @@ def test_launch_plan_gives_every_rank_torchruns_variables(assets, tmp_path):
 
 
 @pytest.mark.parametrize(("target_keys", "message"), [
-    ('tp_size = 2\ndevices = ["cpu"]', "target: devices lists 1 entries but tp_size is 2"),
+    ('tp_size = 2\ndevices = ["cpu"]', "target: devices lists 1 entries but replicas × tp_size is 2"),
     ('tp_size = 2\ndevices = ["cuda:0", "cuda:0"]', "needs its own numbered CUDA device"),
     ('tp_size = 2\ndevices = ["cuda:0", "cpu"]', "runs on CPUs or on CUDA devices"),
     ("tp_size = 3", "tp_size = 3 does not divide"),

@@ -1,0 +1,145 @@
+"""Several target replicas in one job, through launch.sh and real processes: every drafter replica is fed by
+every producer (fan-in), each producer deals its batches among a drafter's live replicas, and exactly-once
+accounting (common/accounting_check.py) holds through a SIGKILLed consumer, a SIGTERM and the reruns."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import tiny_assets, write_job
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE = """
+[[drafters]]
+name = "a"
+block_size = 8
+num_layers = 1
+anchors_per_seq = 16
+loss_chunk_rows = 64
+checkpoint_every = 3
+log_every = 1
+"""
+TWO = ONE + """
+[[drafters]]
+name = "b"
+block_size = 4
+num_layers = 1
+anchors_per_seq = 8
+loss_chunk_rows = 64
+checkpoint_every = 2
+log_every = 1
+replicas = 2
+"""
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("assets"))
+
+
+def replicated_job(assets: Path, drafters: str, name: str) -> Path:
+    job = write_job(assets, drafters=drafters, tokens_per_batch=1024, name=name)
+    job.write_text(job.read_text().replace("num_features = 3", "num_features = 3\nreplicas = 2"))
+    return job
+
+
+def launch(job: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("DFLASH_LAUNCH_ID", None)
+    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), "--grace", "60"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"launch.sh did not return within {timeout} s:\n{proc.communicate()[0]}") from None
+
+
+def log_text(run: Path, name: str) -> str:
+    path = run / "logs" / f"{name}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def steps(run: Path, log: str, rank_name: str) -> int:
+    lines = [li for li in log_text(run, log).splitlines() if f"{rank_name} step " in li]
+    return int(lines[-1].split(" step ")[1].split()[0]) if lines else 0
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if proc.poll() is not None:
+            raise AssertionError(f"launch.sh ended while waiting for {what}:\n{proc.communicate()[0]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def accounting_ok(run: Path, drafters: int) -> str:
+    check = subprocess.run([sys.executable, "-m", "common.accounting_check", str(run)], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count(": ok:") == drafters and check.stdout.count("; complete") == drafters, check.stdout
+    return check.stdout
+
+
+def delivered_by(run: Path) -> dict[str, int]:
+    """Batches each producer's log says it made ("producer done (...): N batches")."""
+    out = {}
+    for name in ("producer", "producer-p1"):
+        done = [li for li in log_text(run, name).splitlines() if "producer done (" in li]
+        out[name] = int(done[-1].split("): ")[1].split()[0]) if done else 0
+    return out
+
+
+def test_two_producers_feed_one_drafter_replica_every_sample_once(assets):
+    job = replicated_job(assets, ONE, "fanin")
+    run = job.parent
+    out = finish(launch(job), 600)
+    assert "started producer-p1 " in out and "started producer " in out, out
+    accounting_ok(run, 1)
+    made = delivered_by(run)
+    assert made["producer"] > 0 and made["producer-p1"] > 0, made  # both shards fed the one replica
+    assert not list(Path("/dev/shm").glob(f"dflash-ring-{job.read_text().split(chr(34))[1]}-n0*"))
+
+
+def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(assets):
+    job = replicated_job(assets, TWO, "fan2")
+    run = job.parent
+    procs = []
+    try:
+        first = launch(job)
+        procs.append(first)
+        wait_for(lambda: steps(run, "consumer-b-r1", "b_r1") >= 2, 300, "drafter b to train 2 steps", first)
+        pid = subprocess.run(["pgrep", "-g", str(first.pid), "-f", "--", "--drafter b --replica 1 "],
+                             capture_output=True, text=True).stdout.split()
+        os.kill(int(pid[0]), signal.SIGKILL)
+        out = finish(first, 180)
+        assert first.returncode != 0, out
+        second = launch(job)  # the same command again: every process resumes from its checkpoint
+        procs.append(second)
+        before = log_text(run, "consumer-a-r0").count("a_r0 step ")
+        wait_for(lambda: log_text(run, "consumer-a-r0").count("a_r0 step ") >= before + 2, 300,
+                 "the rerun to train 2 steps of drafter a", second)
+        second.send_signal(signal.SIGTERM)
+        out = finish(second, 180)
+        assert second.returncode == 0, out
+        third = launch(job)
+        procs.append(third)
+        out = finish(third, 600)
+        assert third.returncode == 0, out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    accounting_ok(run, 2)
+    b_logs = log_text(run, "consumer-b-r0") + log_text(run, "consumer-b-r1")
+    assert b_logs.count("b_r0 step ") > 0 and b_logs.count("b_r1 step ") > 0
