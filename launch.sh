@@ -3,7 +3,7 @@
 #
 #   ./launch.sh                  build (once) and run the embedded demo job on the CPU, then evaluate it
 #   ./launch.sh JOB.toml         run a job
-#   ./launch.sh JOB.toml --dry-run           print the process list and exit
+#   ./launch.sh JOB.toml --dry-run           print the process list and the device map, and exit
 #   options: --grace SECONDS (default 60)    how long SIGINT/SIGTERM waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
@@ -59,6 +59,7 @@ if ((dry)); then
   printf '%s\n' "$plan" | while IFS=$'\t' read -r name critical log cmd; do
     printf '%-24s critical=%s log=%s\n    %s\n' "$name" "$critical" "$log" "$cmd"
   done
+  [[ -z ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && { echo; "$PY" -m common.launch_plan "$job" --device-map --node-rank "$node_rank" --nnodes "$nnodes"; }
   exit 0
 fi
 

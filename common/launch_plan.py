@@ -1,6 +1,7 @@
 """The process list of a job, derived from the job file alone (launch.sh and systemd read it from here).
 
     python -m common.launch_plan JOB.toml [--node-rank R --nnodes N --master-addr HOST --master-port PORT]
+    python -m common.launch_plan JOB.toml --device-map    which process on which device (launch.sh --dry-run)
 
 Each line: `name critical log_path command...` separated by tabs, the command's words shell-quoted.
 
@@ -111,6 +112,41 @@ def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes:
     return procs
 
 
+def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port: int = DEFAULT_MASTER_PORT) -> str:
+    """Which process runs on which device, the TP groups, and which producers feed which consumers (launch.sh
+    --dry-run prints it). Planned from the job file alone: devices are strings, nothing needs a GPU."""
+    t = job.target
+    producers = [producer_name(p) for p in range(t.replicas)]
+    rows = []
+    for p in range(t.replicas):
+        devs = t.devices_of(p)
+        for k in range(t.tp_size):
+            what = f"target replica {p}" + (f", TP rank {k} of {t.tp_size}" if t.tp_size > 1 else "")
+            if k == 0:
+                what += ": ring, control socket, delivery"
+                if t.tp_size > 1:
+                    what += f"; TP group on port {master_port + len(job.drafters) + p}"
+            rows.append((producer_name(p, k), devs[k], what))
+    for d in job.drafters:
+        for r in range(d.replicas):
+            rows.append((f"consumer-{d.name}-r{r}", d.device_of(r),
+                         f"drafter {d.name} (block {d.block_size}) replica {r} of {d.replicas}; fed by"
+                         f" {', '.join(producers)}"))
+    rows.append(("telemetry", "-", f'one per machine; W&B run "node{node_rank}" in group "{job.job.name}"'))
+    width = max(len(r[0]) for r in rows)
+    dwidth = max(len(r[1]) for r in rows)
+    target_devs = sorted({d for p in range(t.replicas) for d in t.devices_of(p)})
+    drafter_devs = sorted({d.device_of(r) for d in job.drafters for r in range(d.replicas)})
+    consumers = sum(d.replicas for d in job.drafters)
+    lines = [f"device map of job {job.job.name}, node {node_rank} of {nnodes}:"]
+    lines += [f"  {n:<{width}}  {dev:<{dwidth}}  {what}" for n, dev, what in rows]
+    lines.append(f"target: {t.replicas} replica(s) × TP {t.tp_size} = {t.replicas * t.tp_size} rank(s) on"
+                 f" {', '.join(target_devs)}; replica p makes batches p, p + {t.replicas}, ... of the node's plan")
+    lines.append(f"drafters: {consumers} replica(s) on {', '.join(drafter_devs)}; every one is fed by all"
+                 f" {t.replicas} producer(s) ({t.replicas} × {consumers} control connections and ring views)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m common.launch_plan", description=__doc__.splitlines()[0])
     ap.add_argument("job")
@@ -121,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="node 0's address, where replica groups meet (default $MASTER_ADDR; 127.0.0.1 on one node)")
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
                     help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)")
+    ap.add_argument("--device-map", action="store_true", help="print the device map instead of the process list")
     args = ap.parse_args(argv)
     try:
         job = load_job(args.job)
@@ -132,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if args.device_map:
+        print(device_map(job, args.node_rank, args.nnodes, args.master_port))
+        return 0
     for p in procs:
         print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")
     return 0

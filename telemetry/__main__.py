@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     try:  # held while it runs: one job per run folder, one telemetry per node
-        lock = enter(job.run_paths.root, "telemetry", int(os.environ.get("NODE_RANK", 0)))
+        node = int(os.environ.get("NODE_RANK", 0))
+        lock = enter(job.run_paths.root, "telemetry", node)
     except (JobLocked, OSError) as err:
         log.error("%s", err)
         return 2
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     try:
-        TelemetryService(job, log).run(stop)
+        TelemetryService(job, log, node=node).run(stop)
     finally:
         lock.release()
     log.info("telemetry stopped")

@@ -32,7 +32,9 @@ def republish_endpoint(job: JobConfig) -> str:
 
 
 class TelemetryService:
-    def __init__(self, job: JobConfig, log: logging.Logger, *, nvml=None, context: zmq.Context | None = None):
+    def __init__(self, job: JobConfig, log: logging.Logger, *, nvml=None, context: zmq.Context | None = None,
+                 node: int = 0):
+        """`node`: this machine's node rank; its W&B run is "node<rank>" in the group named after the job."""
         self.job, self.log, self.cfg = job, log, job.telemetry
         paths = job.run_paths
         paths.make()
@@ -55,7 +57,8 @@ class TelemetryService:
                 entity=self.cfg.wandb_entity,
                 root_dir=paths.root,
                 group=job.job.name,
-                run_id=f"{job.job.name}-{run_key}",
+                name=f"node{node}",
+                run_id=f"{job.job.name}-{run_key}" + (f"-n{node}" if node else ""),  # nodes may share run_dir's path
                 queue_size=self.cfg.wandb_queue,
                 log=log,
                 config=job.model_dump(mode="json"),

@@ -104,6 +104,7 @@ class WandbSink:
         group: str,
         run_id: str,
         queue_size: int,
+        name: str | None = None,
         log: logging.Logger,
         config: dict[str, Any] | None = None,
         init_timeout_s: float = 30.0,
@@ -116,7 +117,8 @@ class WandbSink:
             project=project,
             entity=entity,
             dir=str(root_dir),  # W&B writes into <dir>/wandb, i.e. RunPaths.wandb
-            group=group,
+            group=group,  # the job: every node's run in one group, so a multi-machine job reads as one
+            name=name,  # the node: one run per machine
             job_type="telemetry",
             id=run_id,
             resume="allow",

@@ -1,0 +1,67 @@
+"""The one-machine layout planned from the job file alone: the worked example (Qwen3.6-27B on 8 GPUs) passes
+launch.sh --dry-run without a GPU and its device map says which process runs where and who feeds whom; the
+telemetry's W&B run is the node, in the group named after the job."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from common.config import load_job
+from common.launch_plan import device_map, plan
+from telemetry.service import TelemetryService
+from tests.jobs import tiny_assets, write_job
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "deploy" / "examples" / "qwen36-27b-8gpu.toml"
+
+
+def test_worked_example_passes_dry_run_and_maps_every_gpu():
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # nothing needs a GPU to plan
+    res = subprocess.run([str(ROOT / "launch.sh"), str(EXAMPLE), "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {li.split()[0]: li.split()[1] for li in res.stdout.splitlines()
+            if li.startswith("  ") and li.split()[0].startswith(("producer", "consumer"))}
+    assert rows == {"producer": "cuda:0", "producer-tp1": "cuda:1", "producer-p1": "cuda:2",
+                    "producer-p1-tp1": "cuda:3", "consumer-b16-r0": "cuda:4", "consumer-b16-r1": "cuda:5",
+                    "consumer-b8-r0": "cuda:6", "consumer-b8-r1": "cuda:7"}
+    assert res.stdout.count("fed by producer, producer-p1") == 4
+    assert 'W&B run "node0" in group "qwen36-27b-8gpu"' in res.stdout
+    assert res.stdout.count("-m telemetry") == 1  # ONE telemetry process for the machine
+    assert "TP group on port 29502" in res.stdout and "TP group on port 29503" in res.stdout
+    # the TP ranks' variables: LOCAL_RANK is the CUDA index transformers binds
+    assert "RANK=1 LOCAL_RANK=3 LOCAL_WORLD_SIZE=2 " in res.stdout and "--replica 1" in res.stdout
+
+
+def test_example_settings_are_the_published_ones():
+    job = load_job(EXAMPLE)
+    assert (job.target.tp_size, job.target.replicas) == (2, 2)
+    assert [job.target.devices_of(r) for r in range(2)] == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert job.target.layer_ids == [1, 16, 31, 46, 61] and job.transport_kind == "cuda"
+    assert [(d.block_size, d.replicas, d.devices) for d in job.drafters] == [(16, 2, ["cuda:4", "cuda:5"]),
+                                                                              (8, 2, ["cuda:6", "cuda:7"])]
+    names = [p.name for p in plan(job, str(EXAMPLE), "py")]
+    assert len(names) == 9 and names.count("telemetry") == 1
+
+
+def test_device_map_of_a_second_node_names_its_run(tmp_path):
+    text = device_map(load_job(EXAMPLE), node_rank=1, nnodes=2)
+    assert text.startswith("device map of job qwen36-27b-8gpu, node 1 of 2:")
+    assert 'W&B run "node1" in group "qwen36-27b-8gpu"' in text
+
+
+def test_wandb_run_is_the_node_in_the_jobs_group(tmp_path):
+    assets = tiny_assets(tmp_path / "assets")
+    job = load_job(write_job(assets, name="wbname"))
+    runs = {}
+    for node in (0, 1):
+        service = TelemetryService(job, logging.getLogger("test"), node=node)
+        try:
+            runs[node] = service.wandb._init_args
+        finally:
+            service.close()
+    assert runs[0]["group"] == runs[1]["group"] == job.job.name
+    assert (runs[0]["name"], runs[1]["name"]) == ("node0", "node1")
+    assert runs[0]["id"] != runs[1]["id"]  # nodes whose run folders share a path do not share a run
