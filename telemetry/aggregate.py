@@ -155,6 +155,9 @@ class Aggregator:
         ]
         if producer_rates:
             metrics["pipeline/tokens_per_s"] = sum(producer_rates)
+            metrics["pipeline/producers_reporting"] = float(len(producer_rates))
+            if max(producer_rates) > 0:  # target replicas: slowest ÷ fastest (1 = the producers keep pace)
+                metrics["pipeline/producer_balance"] = min(producer_rates) / max(producer_rates)
         for drafter, rates in sorted(drafters.items()):
             metrics[metric_name("drafter", drafter, "tokens_per_s")] = sum(rates)
             metrics[metric_name("drafter", drafter, "replicas_reporting")] = float(len(rates))

@@ -146,7 +146,8 @@ def view(doc: Any) -> dict[str, Any]:
                       for s in _table(doc.get("sources"), "sources", list)],
         "gpus": [_record(g, "gpus[]", GPU_TEXT, GPU_INTS, GPU_NUMBERS) for g in _table(doc.get("gpus"), "gpus", list)],
         "ring": _record(doc.get("ring"), "ring", (), ("slots_total",), ("slots_in_use",)),
-        "pipeline": {"tokens_per_s": _number(metrics.get("pipeline/tokens_per_s"), "metrics.pipeline/tokens_per_s")},
+        "pipeline": {key: _number(metrics.get(f"pipeline/{key}"), f"metrics.pipeline/{key}")
+                     for key in ("tokens_per_s", "producers_reporting", "producer_balance")},
         "health": _scalars(doc.get("health"), "health"),
     }
 
@@ -198,11 +199,19 @@ def summary(state: dict[str, Any]) -> str:
     ring, health = state["ring"], state["health"]
     return (
         f"ring: {fmt(ring.get('slots_in_use'))}/{fmt(ring.get('slots_total'), 'd')} slots in use | pipeline "
-        f"{fmt(state['pipeline']['tokens_per_s'], '.0f')} tok/s | telemetry: {fmt(health.get('messages'), 'd')} msgs, "
+        f"{fmt(state['pipeline']['tokens_per_s'], '.0f')} tok/s{_producers(state['pipeline'])} | telemetry: {fmt(health.get('messages'), 'd')} msgs, "
         f"{fmt(health.get('gaps'), 'd')} gaps, {fmt(health.get('decode_errors'), 'd')} decode errors, "
         f"W&B {fmt(health.get('wandb_mode'))} queue {fmt(health.get('wandb_queue'), 'd')}"
         + (f" | skipped {state['malformed_windows']} malformed window(s)" if state.get("malformed_windows") else "")
     )
+
+
+def _producers(pipeline: dict[str, Any]) -> str:
+    """Several target replicas: how many report, and the slowest one's rate ÷ the fastest one's."""
+    n = pipeline.get("producers_reporting")
+    if not n or n < 2:
+        return ""
+    return f" from {fmt(n, '.0f')} producers, balance {fmt(pipeline.get('producer_balance'), '.2f')}"
 
 
 def plain_line(state: dict[str, Any]) -> str:

@@ -65,3 +65,22 @@ def test_wandb_run_is_the_node_in_the_jobs_group(tmp_path):
     assert runs[0]["group"] == runs[1]["group"] == job.job.name
     assert (runs[0]["name"], runs[1]["name"]) == ("node0", "node1")
     assert runs[0]["id"] != runs[1]["id"]  # nodes whose run folders share a path do not share a run
+
+
+def test_stats_show_each_producer_and_the_balance_between_them():
+    from common.profile import ProfileStats
+    from telemetry.aggregate import Aggregator
+    from telemetry.cli import summary, view
+    from tests.test_telemetry_unit import payload
+
+    agg = Aggregator(stale_after_s=10.0)
+    for pid, (name, tokens) in enumerate([("producer", 400), ("producer-p1", 300)]):
+        prof = ProfileStats()
+        prof.count("tokens", tokens)
+        agg.ingest(payload(prof, seq=0, mono=2.0, role="producer", name=name, pid=pid), now=2.0)
+    metrics, summaries = agg.close_window(now=2.0)
+    assert sorted(s["name"] for s in summaries) == ["producer", "producer-p1"]  # one row each
+    assert metrics["pipeline/tokens_per_s"] == 350.0 and metrics["pipeline/producer_balance"] == 0.75
+    state = view({"job": "j", "metrics": metrics, "sources": [], "gpus": [], "ring": {}, "health": {}})
+    assert state["pipeline"] == {"tokens_per_s": 350.0, "producers_reporting": 2.0, "producer_balance": 0.75}
+    assert "350 tok/s from 2 producers, balance 0.75 |" in summary(state)
