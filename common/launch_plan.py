@@ -2,6 +2,7 @@
 
     python -m common.launch_plan JOB.toml [--node-rank R --nnodes N --master-addr HOST --master-port PORT]
     python -m common.launch_plan JOB.toml --device-map    which process on which device (launch.sh --dry-run)
+    python -m common.launch_plan JOB.toml --env-files DIR   systemd: one environment file per process, units to enable
 
 Each line: `name critical log_path command...` separated by tabs, the command's words shell-quoted.
 
@@ -147,6 +148,37 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
     return "\n".join(lines)
 
 
+def systemd_instance(proc: ProcessSpec) -> str | None:
+    """The unit a planned process runs as under deploy/systemd (None: telemetry, which needs no variables)."""
+    if proc.name == "telemetry":
+        return None
+    if proc.argv[2] == "producer":
+        replica = proc.argv[proc.argv.index("--replica") + 1] if "--replica" in proc.argv else "0"
+        return f"producer@{replica}-{proc.env.get('RANK', '0')}"
+    drafter, replica = proc.argv[proc.argv.index("--drafter") + 1], proc.argv[proc.argv.index("--replica") + 1]
+    return f"consumer@{drafter}-{replica}"
+
+
+def write_env_files(job: JobConfig, procs: list[ProcessSpec], folder: str) -> list[str]:
+    """/etc/dflash/<role>-<instance>.env for every process (its group's variables, possibly none); returns the
+    units to enable. One replica at tp_size 1 keeps the plain dflash-producer.service."""
+    units = ["dflash-telemetry.service"]
+    plain_producer = job.target.replicas == 1 and job.target.tp_size == 1
+    for proc in procs:
+        instance = systemd_instance(proc)
+        if instance is None:
+            continue
+        role, name = instance.split("@")
+        if role == "producer" and plain_producer:
+            units.append("dflash-producer.service")
+            continue
+        path = os.path.join(folder, f"{role}-{name}.env")
+        with open(path, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in proc.env.items()))
+        units.append(f"dflash-{instance}.service")
+    return units
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m common.launch_plan", description=__doc__.splitlines()[0])
     ap.add_argument("job")
@@ -158,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
                     help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)")
     ap.add_argument("--device-map", action="store_true", help="print the device map instead of the process list")
+    ap.add_argument("--env-files", metavar="DIR", help="write each process's systemd environment file into DIR"
+                    " (deploy/systemd) and print the units to enable")
     args = ap.parse_args(argv)
     try:
         job = load_job(args.job)
@@ -169,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if args.env_files:
+        print(" ".join(write_env_files(job, procs, args.env_files)))
+        return 0
     if args.device_map:
         print(device_map(job, args.node_rank, args.nnodes, args.master_port))
         return 0

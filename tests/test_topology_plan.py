@@ -84,3 +84,30 @@ def test_stats_show_each_producer_and_the_balance_between_them():
     state = view({"job": "j", "metrics": metrics, "sources": [], "gpus": [], "ring": {}, "health": {}})
     assert state["pipeline"] == {"tokens_per_s": 350.0, "producers_reporting": 2.0, "producer_balance": 0.75}
     assert "350 tok/s from 2 producers, balance 0.75 |" in summary(state)
+
+
+def test_systemd_units_express_the_same_layout(tmp_path):
+    """`--env-files` writes each process's group variables where the units read them; the producer template's
+    instance "<replica>-<rank>" starts that replica's producer with that rank's variables."""
+    res = subprocess.run([sys.executable, "-m", "common.launch_plan", str(EXAMPLE), "--env-files", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    units = res.stdout.split()
+    assert units.count("dflash-telemetry.service") == 1 and "dflash-producer.service" not in units
+    assert [u for u in units if u.startswith("dflash-producer@")] == [
+        "dflash-producer@0-0.service", "dflash-producer@0-1.service", "dflash-producer@1-0.service",
+        "dflash-producer@1-1.service"]
+    env = dict(li.split("=", 1) for li in (tmp_path / "producer-1-1.env").read_text().split())
+    assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29503", "WORLD_SIZE": "2", "RANK": "1",
+                   "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}
+    assert "RANK=1\n" in (tmp_path / "consumer-b8-1.env").read_text()
+    unit = (ROOT / "deploy" / "systemd" / "dflash-producer@.service").read_text()
+    script = next(li for li in unit.splitlines() if li.startswith("ExecStart=")).split("'")[1]
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, check=True,
+                         env={"DFLASH_PYTHON": str(fake), "DFLASH_JOB": "/etc/dflash/job.toml",
+                              "DFLASH_INSTANCE": "1-0"}).stdout
+    assert out.split() == ["-m", "producer", "--job", "/etc/dflash/job.toml", "--replica", "1", "--node-rank", "0",
+                           "--nnodes", "1"]
+    assert "EnvironmentFile=/etc/dflash/producer-%i.env" in unit and "PartOf=dflash.target" in unit
