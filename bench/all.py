@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-BENCHES = ["transport", "producer", "drafter", "telemetry", "pipeline", "scaleout", "regenerate"]
+BENCHES = ["transport", "producer", "drafter", "telemetry", "pipeline", "scaleout", "topology", "regenerate"]
 # What --quick passes to each benchmark: its own short form, or shorter counts where it has no --quick.
 QUICK_ARGS = {
     "transport": ["--quick"],
@@ -20,6 +20,7 @@ QUICK_ARGS = {
     "telemetry": ["--rounds", "30"],
     "pipeline": ["--quick"],
     "scaleout": ["--quick"],
+    "topology": ["--quick"],
     "regenerate": ["--quick"],
 }
 
