@@ -76,8 +76,10 @@ def test_dry_run_lists_the_process_group(assets):
     job = write_job(assets, drafters=LONG_JOB)
     out = subprocess.run([str(ROOT / "launch.sh"), str(job), "--dry-run"], capture_output=True, text=True,
                          env={**os.environ, "PYTHON": sys.executable}, check=True).stdout
-    names = [li.split()[0] for li in out.splitlines() if not li.startswith(" ")]
+    processes, device_map = out.split("\n\n", 1)  # the process list, then the device map
+    names = [li.split()[0] for li in processes.splitlines() if not li.startswith(" ")]
     assert names == ["telemetry", "producer", "consumer-d0-r0", "consumer-d1-r0"]
+    assert device_map.startswith("device map of job ") and "consumer-d1-r0  cpu " in device_map
     assert "critical=0" in out.splitlines()[0]
 
 
