@@ -11,7 +11,7 @@ config classes. Variants alternate over the same batches, `--repeats` times; eac
 time (tokens/s and the plain ratios) and by the process's CPU time over its threads (the `_cpu` ratios). On
 an oversubscribed machine the wall ratios favour the variant with fewer, larger operations (every operation
 of a 2-thread process waits for both threads, and a descheduled thread stalls it); CPU time says what the
-work itself costs. On an idle machine the two agree more closely; the README quotes both.
+work itself costs. `--threads 1` gives figures that other tenants of the machine barely move.
 
 - `ratio_capture_over_naive` (a real target's shape): a Qwen3 with Qwen3-8B's depth and proportions at 1/32 of
   its width (36 layers, hidden 128, intermediate 3×hidden, 4:1 grouped-query heads, vocabulary 37×hidden as
