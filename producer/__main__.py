@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
-    control = None  # tensor parallelism (producer/tp.py): the group's command channel
+    tp_group = None  # tensor parallelism (producer/tp.py): the group's command channels
     try:
         job = load_job(args.job)
         if not 0 <= args.replica < job.target.replicas:
@@ -102,19 +102,21 @@ def main(argv: list[str] | None = None) -> int:
         job.run_paths.make()
         if tp.rank == 0 and os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
             shutil.copyfile(args.job, job.run_paths.job_copy)
-        # the data first: a tensor-parallel group's followers wait for rank 0 with a timeout once it is formed
-        dataset, plan = build_dataset(job, args.node_rank, args.nnodes) if tp.rank == 0 else (None, None)
         device = job.target.devices_of(args.replica)[tp.rank]
         if tp.world > 1:
-            control = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
+            tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
                              device, job.target.attn_implementation, tp_size=tp.world)
+        if tp.rank == 0:
+            dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
+            if tp_group is not None:
+                tp_group.started()  # the followers wait for this before their first command
     except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError) as err:
         log.error("%s", err)
         return 2
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", tp.rank, tp.world, device)
-        return follow(target, control)
+        return follow(target, tp_group)
     log.info("target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s", job.target.path,
              target.layers_run, target.num_target_layers, target.layer_ids, target.hidden_size,
              target.feature_width, job.target.dtype, device)
@@ -122,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
     prof = ProfileStats() if interval > 0 else None
     target.prof = prof  # counts the batches that run one forward per sequence
-    if control is not None:
-        target = LeaderTarget(target, control, keepalive_s=job.transport.heartbeat_interval_s)
+    if tp_group is not None:
+        target = LeaderTarget(target, tp_group.control, keepalive_s=job.transport.heartbeat_interval_s)
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", name, interval, prof) if prof else None
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),

@@ -9,8 +9,8 @@ on a gloo group of their own); the other ranks (`follow`) run their shard of the
 buffer and wait for the next one. The residual stream is replicated across the group, so only rank 0's features
 go into the ring.
 
-Waits: the followers' wait for the next command is a gloo collective with its own timeout
-(`control_timeout_s`); rank 0 sends a keep-alive whenever it has sent nothing for `keepalive_s` (it is idle
+Waits: the followers first wait (LOAD_TIMEOUT_S) for rank 0 to have read its data; then their wait for the
+next command is a gloo collective with its own timeout (`control_timeout_s`); rank 0 sends a keep-alive whenever it has sent nothing for `keepalive_s` (it is idle
 waiting for consumers or slots), so a timeout means rank 0 is gone or stuck. A follower ignores SIGINT/SIGTERM:
 rank 0 stops the group with a STOP command when it ends, however it ended; launch.sh's grace period bounds it.
 """
@@ -60,12 +60,23 @@ class TPRank:
         return cls(rank, world, local_rank)
 
 
-def init_group(device: str, control_timeout_s: float) -> dist.ProcessGroup:
+@dataclass(frozen=True)
+class TPGroup:
+    control: dist.ProcessGroup  # gloo, the batch commands, with the short timeout
+    start: dist.ProcessGroup  # gloo, LOAD_TIMEOUT_S: the followers wait here while rank 0 reads its data
+
+    def started(self) -> None:
+        """Rank 0: the data is ready and the commands begin (the followers pass their start barrier)."""
+        dist.barrier(group=self.start)
+
+
+def init_group(device: str, control_timeout_s: float) -> TPGroup:
     """Join the group (gloo on the CPU; NCCL for the target's CUDA tensors plus gloo for the CPU ones) before
-    transformers does; returns the gloo group the batch commands travel on, with its own timeout."""
+    transformers does."""
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    return TPGroup(dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s)),
+                   dist.new_group(backend="gloo", timeout=timedelta(seconds=LOAD_TIMEOUT_S)))
 
 
 def _send(control: dist.ProcessGroup, cmd: int, payload: torch.Tensor | None = None, cu_len: int = 0) -> None:
@@ -115,12 +126,19 @@ class LeaderTarget:
             log.warning("could not tell the tensor-parallel followers to stop: %s", err)
 
 
-def follow(target, control: dist.ProcessGroup) -> int:
-    """A follower's life: run rank 0's forwards until STOP. Returns the exit status."""
+def follow(target, group: TPGroup) -> int:
+    """A follower's life: wait for rank 0 to have its data, then run its forwards until STOP. Returns the
+    exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group ends (module docstring)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     header = torch.zeros(3, dtype=torch.int64)
     forwards = 0
+    try:
+        dist.barrier(group=group.start)
+    except RuntimeError as err:
+        log.error("rank 0 of the tensor-parallel group ended before its first batch: %s", err)
+        return 1
+    control = group.control
     while True:
         try:
             dist.broadcast(header, src=0, group=control)
