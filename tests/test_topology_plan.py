@@ -111,3 +111,18 @@ def test_systemd_units_express_the_same_layout(tmp_path):
     assert out.split() == ["-m", "producer", "--job", "/etc/dflash/job.toml", "--replica", "1", "--node-rank", "0",
                            "--nnodes", "1"]
     assert "EnvironmentFile=/etc/dflash/producer-%i.env" in unit and "PartOf=dflash.target" in unit
+
+
+def test_a_target_replica_makes_every_rth_seq_and_resumes_at_its_own_next_one():
+    from producer.delivery import Delivery
+
+    d = Delivery(["a", "b"], total_batches=9, stride=2, offset=1)  # replica 1 of 2: seqs 1, 3, 5, 7
+    for peer, drafter, resume in ((b"a", "a", 0), (b"b", "b", 4)):
+        d.join(peer, drafter, 0, 1, resume)
+        d.attach(peer, d.by_peer[peer].epoch)
+    assert (d.groups["a"].cursor, d.groups["b"].cursor) == (1, 5)  # the first of its seqs at or after the resume
+    made = []
+    while (seq := d.next_seq()) is not None:
+        made.append((seq, sorted(m.drafter for m in d.recipients(seq))))
+    assert made == [(1, ["a"]), (3, ["a"]), (5, ["a", "b"]), (7, ["a", "b"])]
+    assert d.finished()
