@@ -143,3 +143,18 @@ def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(a
     accounting_ok(run, 2)
     b_logs = log_text(run, "consumer-b-r0") + log_text(run, "consumer-b-r1")
     assert b_logs.count("b_r0 step ") > 0 and b_logs.count("b_r1 step ") > 0
+
+
+def test_two_tp2_replicas_through_launch_sh_train_every_sample_once(assets):
+    """The worked example's shape on the CPU: 2 target replicas × TP 2 (four producer processes) → 1 drafter."""
+    job = replicated_job(assets, ONE, "tpx2")
+    job.write_text(job.read_text().replace("replicas = 2", "replicas = 2\ntp_size = 2", 1))
+    run = job.parent
+    proc = launch(job)
+    out = finish(proc, 600)
+    assert proc.returncode == 0, out
+    accounting_ok(run, 1)
+    made = delivered_by(run)
+    for follower, producer in (("producer-tp1", "producer"), ("producer-p1-tp1", "producer-p1")):
+        assert f"rank 0 ended the group after {made[producer]} forwards" in log_text(run, follower)
+    assert min(made.values()) > 0
