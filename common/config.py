@@ -6,6 +6,7 @@ key (dotted path) and the reason, so a bad job fails at start, not halfway throu
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import math
@@ -263,6 +264,15 @@ class JobConfig(_Section):
     @property
     def run_paths(self) -> RunPaths:
         return RunPaths(Path(self.job.run_dir))
+
+    def ring_name(self, node: int, replica: int = 0) -> str:
+        """The CPU ring's name for target replica `replica` of node `node`.
+
+        It carries a hash of the run folder, so two jobs of one name in two folders (two demos, two users'
+        test runs) never take each other's ring; a restart of the same job finds its stale ring.
+        """
+        folder = hashlib.blake2s(str(Path(self.job.run_dir).resolve()).encode(), digest_size=4).hexdigest()
+        return f"{self.job.name}-{folder}-n{node}" + (f"p{replica}" if replica else "")
 
 
 class RunPaths:

@@ -141,6 +141,7 @@ def enter(run_dir: str | Path, name: str, node: int = 0) -> JobLock:
 
 def main(argv: list[str] | None = None) -> int:
     from common.config import ConfigError, load_job
+    from common.ring import ring_path
 
     ap = argparse.ArgumentParser(prog="python -m common.joblock", description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["info", "holders"])
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     root = job.run_paths.root.resolve()
-    ring = f"/dev/shm/dflash-ring-{job.job.name}-n{args.node_rank}" if job.transport_kind == "cpu" else ""
+    ring = str(ring_path("/dev/shm", job.ring_name(args.node_rank))) if job.transport_kind == "cpu" else ""
     print(f"{root}\t{job_lock_path(root, args.node_rank)}\t{ring}")
     return 0
 

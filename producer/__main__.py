@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                                 [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist())
         service = ProducerService(
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches, job.target.replicas), len(plan),
-            ring_name=f"{job.job.name}-n{args.node_rank}" + (f"p{args.replica}" if args.replica else ""),
+            ring_name=job.ring_name(args.node_rank, args.replica),
             prof=prof, stats=stats, ledger=ledger, launch_id=lock.launch_id, node=args.node_rank, replica=args.replica,
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...

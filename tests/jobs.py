@@ -5,6 +5,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from common.config import load_job
+from common.ring import ring_path
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 _ASSETS: dict[str, Path] = {}
@@ -23,10 +25,14 @@ def tiny_assets(cache_dir: Path) -> Path:
     return _ASSETS[key]
 
 
+def ring_file(job: Path, node: int = 0, replica: int = 0) -> Path:
+    """The /dev/shm ring of this job's producer (target replica `replica` of node `node`)."""
+    return ring_path("/dev/shm", load_job(job).ring_name(node, replica))
+
+
 def remove_ring(job: Path, node: int = 0) -> None:
     """Remove the /dev/shm ring a SIGKILLed producer of this job left behind (a restart would remove it)."""
-    name = next(li for li in job.read_text().splitlines() if li.startswith("name")).split('"')[1]
-    Path(f"/dev/shm/dflash-ring-{name}-n{node}").unlink(missing_ok=True)
+    ring_file(job, node).unlink(missing_ok=True)
 
 
 def write_job(assets: Path, *, drafters: str = '[[drafters]]\nname = "d0"\n', extra: str = "",

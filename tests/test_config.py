@@ -90,3 +90,15 @@ def test_dflash_layer_ids_formula():
     assert dflash_layer_ids(36, 1) == [18]
     assert dflash_layer_ids(6, 3) == [1, 2, 3]
     assert dflash_layer_ids(6, 5) == [0, 1, 2, 4, 5]  # too shallow for the formula: spread, still distinct
+
+
+def test_ring_name_separates_run_folders_of_one_job_name(tmp_path):
+    # two demos (both named "demo") in two folders once fought over one /dev/shm ring
+    one, two = tmp_path / "a", tmp_path / "b"
+    one.mkdir(), two.mkdir()
+    job_a = load_job(write(one, f'[job]\nname = "demo"\nrun_dir = "{one}/run"\n' + MINIMAL))
+    job_b = load_job(write(two, f'[job]\nname = "demo"\nrun_dir = "{two}/run"\n' + MINIMAL))
+    assert job_a.ring_name(0) != job_b.ring_name(0)
+    assert job_a.ring_name(0) == load_job(one / "job.toml").ring_name(0)  # a restart finds its stale ring
+    assert job_a.ring_name(0).startswith("demo-") and job_a.ring_name(0).endswith("-n0")
+    assert job_a.ring_name(1, replica=2).endswith("-n1p2") and job_a.ring_name(0, replica=0).endswith("-n0")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import tiny_assets, write_job
+from tests.jobs import ring_file, tiny_assets, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
 DRAFTERS = """
@@ -86,11 +86,6 @@ def accounting_check(run: Path) -> subprocess.CompletedProcess:
                           text=True)
 
 
-def ring_of(job: Path) -> Path:
-    name = job.read_text().split('name = "')[1].split('"')[0]
-    return Path(f"/dev/shm/dflash-ring-{name}-n0")
-
-
 def sockets_left(run: Path) -> list[Path]:
     return [p for p in (run / "sockets").iterdir() if p.is_socket()] if (run / "sockets").exists() else []
 
@@ -116,7 +111,7 @@ def test_producer_sigkills_at_two_moments_reruns_and_a_second_launch_leave_every
             os.kill(pid_of(proc.pid, "producer"), signal.SIGKILL)
             out = finish(proc, 120)
             assert proc.returncode == 128 + signal.SIGKILL, out
-            assert not ring_of(job).exists() and sockets_left(run) == [], out  # removed by launch.sh
+            assert not ring_file(job).exists() and sockets_left(run) == [], out  # removed by launch.sh
             kill_at = steps(run, "d0") + 5
         last = launch(job, "--grace", "60")
         procs.append(last)
@@ -138,7 +133,7 @@ def test_producer_sigkills_at_two_moments_reruns_and_a_second_launch_leave_every
     check = accounting_check(run)
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count(": ok:") == 2 and check.stdout.count("; complete") == 2, check.stdout
-    assert not ring_of(job).exists() and sockets_left(run) == []
+    assert not ring_file(job).exists() and sockets_left(run) == []
 
 
 def standin_plan(job: Path, producer_cmd: str) -> Path:

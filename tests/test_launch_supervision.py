@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.joblock import JobLocked, enter
+from tests.jobs import ring_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,8 +128,7 @@ def test_processes_started_by_hand_share_the_job_but_not_their_own_place(job):
 
 def test_the_ring_and_sockets_are_removed_when_a_process_of_the_group_was_killed(job):
     run_dir = run_dir_of(job)
-    name = job.read_text().split('name = "')[1].split('"')[0]
-    ring = Path(f"/dev/shm/dflash-ring-{name}-n0")
+    ring = ring_file(job)
     (run_dir / "sockets").mkdir(parents=True)
     sock_path = run_dir / "sockets" / "control.sock"
     made = job.parent / "made"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import tiny_assets, write_job
+from tests.jobs import ring_file, tiny_assets, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE = """
@@ -108,7 +108,7 @@ def test_two_producers_feed_one_drafter_replica_every_sample_once(assets):
     accounting_ok(run, 1)
     made = delivered_by(run)
     assert made["producer"] > 0 and made["producer-p1"] > 0, made  # both shards fed the one replica
-    assert not list(Path("/dev/shm").glob(f"dflash-ring-{job.read_text().split(chr(34))[1]}-n0*"))
+    assert not ring_file(job).exists() and not ring_file(job, replica=1).exists()
 
 
 def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(assets):
