@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common.config import load_job
@@ -10,6 +15,37 @@ from common.ring import ring_path
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 _ASSETS: dict[str, Path] = {}
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch(job: Path, *args: str, plan: Path | None = None) -> subprocess.Popen:
+    """./launch.sh JOB ARGS as an operator runs it, in its own session (so a test can kill the whole group);
+    `plan` replaces the job's processes by stand-ins (DFLASH_LAUNCH_PLAN_FILE)."""
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("DFLASH_LAUNCH_ID", None)
+    if plan is not None:
+        env["DFLASH_LAUNCH_PLAN_FILE"] = str(plan)
+    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """launch.sh's output once it returned; a launch.sh that does not return is a failure (and is killed)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"launch.sh did not return within {timeout} s:\n{proc.communicate()[0]}") from None
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"launch.sh ended while waiting for {what}:\n{proc.communicate()[0]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def tiny_assets(cache_dir: Path) -> Path:

@@ -6,14 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import ring_file, tiny_assets, write_job
+from tests.jobs import ROOT, finish, launch, ring_file, tiny_assets, wait_for, write_job
 
-ROOT = Path(__file__).resolve().parent.parent
 DRAFTERS = """
 [[drafters]]
 name = "d0"
@@ -38,32 +36,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"))
-
-
-def launch(job: Path, *args: str, plan: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    env.pop("DFLASH_LAUNCH_ID", None)
-    if plan is not None:
-        env["DFLASH_LAUNCH_PLAN_FILE"] = str(plan)
-    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"launch.sh did not return within {timeout} s:\n{proc.communicate()[0]}") from None
-
-
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"launch.sh ended while waiting for {what}:\n{proc.communicate()[0]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def log_text(run: Path, name: str) -> str:

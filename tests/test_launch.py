@@ -6,15 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from consumer.checkpoint import load_latest
 from telemetry.wandb_reader import find_run_file, read_history
-from tests.jobs import remove_ring, tiny_assets, write_job
+from tests.jobs import ROOT, launch, remove_ring, tiny_assets, wait_for, write_job
 
-ROOT = Path(__file__).resolve().parent.parent
 LONG_JOB = """
 [[drafters]]
 name = "d0"
@@ -40,23 +38,8 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
-def launch(job, *args):
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def group_alive(pgid):
     return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 0
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def steps(run, drafter):

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.joblock import JobLocked, enter
-from tests.jobs import ring_file
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.jobs import ROOT, finish, launch, ring_file
 
 
 @pytest.fixture
@@ -40,22 +38,6 @@ def plan_file(job: Path, procs: list[tuple[str, int, str]]) -> Path:
     return path
 
 
-def launch(job: Path, plan: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHON": sys.executable, "DFLASH_LAUNCH_PLAN_FILE": str(plan)}
-    env.pop("DFLASH_LAUNCH_ID", None)
-    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-        raise AssertionError(f"launch.sh did not return within {timeout} s:\n{out}") from None
-
-
 def test_processes_that_exit_at_the_same_instant_are_all_collected_every_time(job):
     """Found from outside: the bookkeeping around `wait -n` dropped processes that exited together, so
     launch.sh waited forever on telemetry (one 'finished' line missing). 4 stand-ins wait for one file and
@@ -67,7 +49,7 @@ def test_processes_that_exit_at_the_same_instant_are_all_collected_every_time(jo
         go.unlink(missing_ok=True)
         plan = plan_file(job, [("telemetry", 0, "exec sleep 600")] + [
             (f"c{i}", 1, f"{wait_go}; exit {3 if fail and i == 2 else 0}") for i in range(4)])
-        proc = launch(job, plan, "--grace", "20")
+        proc = launch(job, "--grace", "20", plan=plan)
         deadline = time.monotonic() + 60
         logs = run_dir_of(job) / "logs"
         while not all((logs / f"c{i}.log").exists() for i in range(4)):
@@ -85,14 +67,14 @@ def test_a_second_launch_is_refused_at_once_naming_the_holder_and_the_first_runs
     go = job.parent / "go"
     plan = plan_file(job, [("telemetry", 0, "exec sleep 600"),
                            ("worker", 1, f"while [ ! -e {go} ]; do sleep 0.05; done")])
-    first = launch(job, plan)
+    first = launch(job, plan=plan)
     try:
         lock = run_dir_of(job) / "job-n0.lock"
         deadline = time.monotonic() + 30
         while "launch=" not in (lock.read_text() if lock.exists() else ""):
             assert time.monotonic() < deadline and first.poll() is None, "the first launch did not lock the job"
             time.sleep(0.05)
-        second = launch(job, plan)
+        second = launch(job, plan=plan)
         out = finish(second, 60)
         assert second.returncode == 75, out
         assert f"launch.sh pid {first.pid} (started " in out and "not starting a second one" in out
@@ -119,7 +101,7 @@ def test_processes_started_by_hand_share_the_job_but_not_their_own_place(job):
         other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
         assert other.returncode == 9 and f"another producer pid {os.getpid()}" in other.stdout
         plan = plan_file(job, [("worker", 1, "exit 0")])
-        out = finish(launch(job, plan), 60)  # nor may launch.sh start the job they run
+        out = finish(launch(job, plan=plan), 60)  # nor may launch.sh start the job they run
         assert "not starting a second one" in out and f"producer pid {os.getpid()}" in out
     finally:
         producer.release()
@@ -139,7 +121,7 @@ def test_the_ring_and_sockets_are_removed_when_a_process_of_the_group_was_killed
     plan = plan_file(job, [("telemetry", 0, "exec sleep 600"), ("producer", 1, f"exec {sys.executable} {script}"),
                            ("consumer", 1, "exec sleep 600")])
     try:
-        proc = launch(job, plan, "--grace", "20")
+        proc = launch(job, "--grace", "20", plan=plan)
         out = finish(proc, 60)
         assert proc.returncode == 128 + signal.SIGKILL, out
         assert made.exists(), out

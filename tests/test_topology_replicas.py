@@ -6,14 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import ring_file, tiny_assets, write_job
+from tests.jobs import ROOT, finish, launch, ring_file, tiny_assets, wait_for, write_job
 
-ROOT = Path(__file__).resolve().parent.parent
 ONE = """
 [[drafters]]
 name = "a"
@@ -49,21 +47,6 @@ def replicated_job(assets: Path, drafters: str, name: str) -> Path:
     return job
 
 
-def launch(job: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    env.pop("DFLASH_LAUNCH_ID", None)
-    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), "--grace", "60"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"launch.sh did not return within {timeout} s:\n{proc.communicate()[0]}") from None
-
-
 def log_text(run: Path, name: str) -> str:
     path = run / "logs" / f"{name}.log"
     return path.read_text() if path.exists() else ""
@@ -72,15 +55,6 @@ def log_text(run: Path, name: str) -> str:
 def steps(run: Path, log: str, rank_name: str) -> int:
     lines = [li for li in log_text(run, log).splitlines() if f"{rank_name} step " in li]
     return int(lines[-1].split(" step ")[1].split()[0]) if lines else 0
-
-
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if proc.poll() is not None:
-            raise AssertionError(f"launch.sh ended while waiting for {what}:\n{proc.communicate()[0]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def accounting_ok(run: Path, drafters: int) -> str:
@@ -103,7 +77,7 @@ def delivered_by(run: Path) -> dict[str, int]:
 def test_two_producers_feed_one_drafter_replica_every_sample_once(assets):
     job = replicated_job(assets, ONE, "fanin")
     run = job.parent
-    out = finish(launch(job), 600)
+    out = finish(launch(job, "--grace", "60"), 600)
     assert "started producer-p1 " in out and "started producer " in out, out
     accounting_ok(run, 1)
     made = delivered_by(run)
@@ -116,7 +90,7 @@ def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(a
     run = job.parent
     procs = []
     try:
-        first = launch(job)
+        first = launch(job, "--grace", "60")
         procs.append(first)
         wait_for(lambda: steps(run, "consumer-b-r1", "b_r1") >= 2, 300, "drafter b to train 2 steps", first)
         pid = subprocess.run(["pgrep", "-g", str(first.pid), "-f", "--", "--drafter b --replica 1 "],
@@ -124,7 +98,7 @@ def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(a
         os.kill(int(pid[0]), signal.SIGKILL)
         out = finish(first, 180)
         assert first.returncode != 0, out
-        second = launch(job)  # the same command again: every process resumes from its checkpoint
+        second = launch(job, "--grace", "60")  # the same command again: every process resumes from its checkpoint
         procs.append(second)
         before = log_text(run, "consumer-a-r0").count("a_r0 step ")
         wait_for(lambda: log_text(run, "consumer-a-r0").count("a_r0 step ") >= before + 2, 300,
@@ -132,7 +106,7 @@ def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(a
         second.send_signal(signal.SIGTERM)
         out = finish(second, 180)
         assert second.returncode == 0, out
-        third = launch(job)
+        third = launch(job, "--grace", "60")
         procs.append(third)
         out = finish(third, 600)
         assert third.returncode == 0, out
@@ -150,7 +124,7 @@ def test_two_tp2_replicas_through_launch_sh_train_every_sample_once(assets):
     job = replicated_job(assets, ONE, "tpx2")
     job.write_text(job.read_text().replace("replicas = 2", "replicas = 2\ntp_size = 2", 1))
     run = job.parent
-    proc = launch(job)
+    proc = launch(job, "--grace", "60")
     out = finish(proc, 600)
     assert proc.returncode == 0, out
     accounting_ok(run, 1)
