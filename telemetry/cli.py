@@ -12,7 +12,9 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -267,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="seconds to wait for data (default 2× window)"
     )
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C or a SIGTERM ends the view cleanly, even when started with SIGINT ignored (a background job of
+        # a script, which is how CI and wrappers start it): Python then never installs its own handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         paths, window_s = resolve(args.run_dir, args.job)
     except CliError as err:

@@ -74,9 +74,11 @@ def rogue():
 
 
 def start_cli(run: Path, *args: str) -> subprocess.Popen:
+    """The CLI as a script's background job starts it: SIGINT ignored on entry (it must still stop on one)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
     return subprocess.Popen([sys.executable, "-m", "telemetry.cli", str(run), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
 
 
 def wait_subscribed(sock: zmq.Socket) -> None:
