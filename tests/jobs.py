@@ -39,6 +39,22 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
         raise AssertionError(f"launch.sh did not return within {timeout} s:\n{proc.communicate()[0]}") from None
 
 
+def spawn(args: list, log: Path, **env: str) -> subprocess.Popen:
+    """`python ARGS` as a job's process (one OpenMP thread), its output appended to `log`."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=full, stdout=open(log, "a"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
+    """Every process's exit status; whatever still runs after `timeout` (or an error) is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not pred():

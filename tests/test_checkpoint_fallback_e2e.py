@@ -4,20 +4,15 @@ exactly-once checker passes on the lineage it really followed."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from common.accounting_check import check_run
 from consumer.checkpoint import STATE_FILE, load_latest
-from tests.jobs import tiny_assets, write_job
+from tests.jobs import spawn, tiny_assets, wait_all, write_job
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 DRAFTER = """
 [[drafters]]
@@ -32,20 +27,6 @@ total_steps = 200
 """
 
 
-def spawn(args, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, stdout=open(log, "a"),
-                            stderr=subprocess.STDOUT)
-
-
-def finish(procs, timeout=240) -> list[int]:
-    try:
-        return [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-
-
 def test_a_truncated_latest_checkpoint_resumes_from_the_previous_and_stays_exactly_once(tmp_path_factory, tmp_path):
     job = write_job(tiny_assets(tmp_path_factory.mktemp("assets")), drafters=DRAFTER, name="fallback")
     run, ckpts = job.parent, job.parent / "checkpoints" / "d0"
@@ -58,13 +39,13 @@ def test_a_truncated_latest_checkpoint_resumes_from_the_previous_and_stays_exact
             assert time.monotonic() < deadline and cons.poll() is None, c1.read_text()[-2000:]
             time.sleep(0.2)
         cons.send_signal(signal.SIGTERM)
-        assert finish([cons]) == [0], c1.read_text()[-2000:]
+        assert wait_all([cons]) == [0], c1.read_text()[-2000:]
         broken = load_latest(ckpts).path
         intact = sorted((p for p in ckpts.glob("step_*") if p != broken), key=lambda p: int(p.name[5:]))[-1]
         state = broken / STATE_FILE
         state.write_bytes(state.read_bytes()[: state.stat().st_size // 3])  # a torn write
         cons2 = spawn(["-m", "consumer", "--job", job, "--drafter", "d0"], c2)
-        assert finish([cons2, prod]) == [0, 0], c2.read_text()[-3000:] + plog.read_text()[-2000:]
+        assert wait_all([cons2, prod]) == [0, 0], c2.read_text()[-3000:] + plog.read_text()[-2000:]
     finally:
         for p in (prod, cons):
             p.kill()

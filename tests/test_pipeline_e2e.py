@@ -2,12 +2,8 @@
 
 import itertools
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from common.config import dflash_layer_ids
 from consumer.checkpoint import load_latest
-from tests.jobs import tiny_assets, write_job
+from tests.jobs import spawn, tiny_assets, wait_all, write_job
 
-ROOT = Path(__file__).resolve().parent.parent
 DRAFTER = """
 [[drafters]]
 name = "d0"
@@ -36,28 +31,14 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
-def spawn(args, log):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=open(log, "a"),
-                            stderr=subprocess.STDOUT)
-
-
-def finish(procs, timeout=240):
-    try:
-        return [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-
-
 def test_features_in_the_ring_equal_the_targets_hidden_states(assets, tmp_path):
     job = write_job(assets, drafters=DRAFTER)
     out = tmp_path / "probe.pt"
     prod = spawn(["-m", "producer", "--job", job], tmp_path / "p.log")
     probe = spawn(["-m", "tests.procs.probe_consumer", job, "d0", "3", out], tmp_path / "c.log")
-    assert finish([probe])[0] == 0, (tmp_path / "c.log").read_text()[-2000:]
+    assert wait_all([probe])[0] == 0, (tmp_path / "c.log").read_text()[-2000:]
     prod.send_signal(signal.SIGTERM)
-    assert finish([prod])[0] == 0, (tmp_path / "p.log").read_text()[-2000:]
+    assert wait_all([prod])[0] == 0, (tmp_path / "p.log").read_text()[-2000:]
     batches = torch.load(out, weights_only=True)
     assert [b["seq"] for b in batches] == [0, 1, 2]
     model = AutoModelForCausalLM.from_pretrained(assets / "target", local_files_only=True, dtype=torch.float32)
@@ -84,11 +65,11 @@ def test_consumer_trains_checkpoints_and_resumes_after_sigterm_without_repeating
         assert time.monotonic() < deadline and cons.poll() is None, (tmp_path / "c1.log").read_text()[-2000:]
         time.sleep(0.2)
     cons.send_signal(signal.SIGTERM)  # checkpoint at a step boundary, BYE, exit 0
-    assert finish([cons])[0] == 0
+    assert wait_all([cons])[0] == 0
     stopped = load_latest(ckpts)
     assert stopped.state["last_seq"] == stopped.step - 1  # one batch per step, in order, none skipped
     cons2 = spawn(["-m", "consumer", "--job", job, "--drafter", "d0"], tmp_path / "c2.log")
-    assert finish([cons2, prod]) == [0, 0], (tmp_path / "c2.log").read_text()[-2000:]
+    assert wait_all([cons2, prod]) == [0, 0], (tmp_path / "c2.log").read_text()[-2000:]
     final = load_latest(ckpts)
     planned = next(li for li in (tmp_path / "p.log").read_text().splitlines() if "batches planned" in li)
     total = int(planned.split()[-3])  # "...; N batches planned"

@@ -8,20 +8,17 @@ digest of its parameters; the tests compare those across replicas and against th
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from consumer.checkpoint import load_latest
-from tests.jobs import tiny_assets, write_job
+from tests.jobs import spawn, tiny_assets, wait_all, write_job
 
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = 240  # tiny_assets' chats
 pytestmark = pytest.mark.slow
 
@@ -53,12 +50,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: list, log: Path, **env: str) -> subprocess.Popen:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=full, stdout=open(log, "a"),
-                            stderr=subprocess.STDOUT)
-
-
 def producer(job: Path, log: Path, node: int = 0, nnodes: int = 1) -> subprocess.Popen:
     return spawn(["-m", "producer", "--job", job, "--node-rank", node, "--nnodes", nnodes], log)
 
@@ -69,14 +60,6 @@ def consumer(job: Path, log: Path, trace: Path, port: int, *, replica: int, repl
                   "--nnodes", nnodes, "--trace", trace, "--dist-timeout", "60"], log,
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(replicas * nnodes),
                  RANK=str(node * replicas + replica), LOCAL_RANK=str(replica))
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
-    try:
-        return [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def tail(*logs: Path) -> str:
@@ -125,11 +108,11 @@ def test_two_replicas_hold_identical_parameters_and_train_the_stream_exactly_onc
             assert time.monotonic() < deadline and all(p.poll() is None for p in first), tail(plog, *logs[0])
             time.sleep(0.1)
         first[1].send_signal(signal.SIGTERM)  # one replica only: the group stops together
-        assert finish(first, timeout=60) == [0, 0], tail(*logs[0])
+        assert wait_all(first, timeout=60) == [0, 0], tail(*logs[0])
         stopped = load_latest(ckpts)
         port = free_port()
         second = [consumer(job, logs[1][r], traces[1][r], port, replica=r, replicas=2) for r in range(2)]
-        assert finish([*second, prod]) == [0, 0, 0], tail(plog, *logs[1])
+        assert wait_all([*second, prod]) == [0, 0, 0], tail(plog, *logs[1])
     finally:
         for p in [prod, *first]:
             p.kill()
@@ -162,7 +145,7 @@ def test_two_nodes_train_disjoint_covering_shards_with_identical_parameters(asse
     procs = [producer(jobs[n], plogs[n], node=n, nnodes=2) for n in range(2)]
     procs += [consumer(jobs[n], clogs[n], traces[n], port, replica=0, replicas=1, node=n, nnodes=2)
               for n in range(2)]
-    assert finish(procs) == [0, 0, 0, 0], tail(*plogs, *clogs)
+    assert wait_all(procs) == [0, 0, 0, 0], tail(*plogs, *clogs)
     tr = [read_trace(t) for t in traces]
     totals = [planned(p) for p in plogs]
     assert totals == [28, 27]
@@ -192,7 +175,7 @@ def test_a_killed_replica_fails_the_group_cleanly_and_the_restart_resumes_from_t
             assert time.monotonic() < deadline and all(p.poll() is None for p in first), tail(plog, *logs[0])
             time.sleep(0.1)
         first[1].send_signal(signal.SIGKILL)
-        assert finish(first, timeout=60)[0] == 5, tail(*logs[0])  # EXIT_GROUP_LOST, no hang
+        assert wait_all(first, timeout=60)[0] == 5, tail(*logs[0])  # EXIT_GROUP_LOST, no hang
         log0 = logs[0][0].read_text()
         assert "the group failed during" in log0 and "is intact" in log0
         kept = load_latest(ckpts)  # readable, and the one the survivor did not overwrite
@@ -203,7 +186,7 @@ def test_a_killed_replica_fails_the_group_cleanly_and_the_restart_resumes_from_t
             time.sleep(0.1)
         port = free_port()
         second = [consumer(job, logs[1][r], traces[1][r], port, replica=r, replicas=2) for r in range(2)]
-        assert finish([*second, prod]) == [0, 0, 0], tail(plog, *logs[1])
+        assert wait_all([*second, prod]) == [0, 0, 0], tail(plog, *logs[1])
     finally:
         for p in [prod, *first]:
             p.kill()
