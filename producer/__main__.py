@@ -27,7 +27,7 @@ from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService
 from producer.target import TargetLoadError, load_target
-from producer.tp import LeaderTarget, TPRank, TPSetupError, follow, init_group
+from producer.tp import LeaderTarget, TPRank, TPSetupError, distributed_config, follow, init_group
 
 log = logging.getLogger("producer")
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if tp.world > 1:
             tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
-                             device, job.target.attn_implementation, tp_size=tp.world)
+                             device, job.target.attn_implementation, distributed_config(tp.world))
         if tp.rank == 0:
             dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
             if tp_group is not None:

@@ -370,12 +370,13 @@ def load_target(
     dtype: str = "bfloat16",
     device: str = "cpu",
     attn_implementation: str = "auto",
-    tp_size: int = 1,
+    distributed_config: DistributedConfig | None = None,
 ) -> TargetCapture:
     """Load the target in `path` (local files only) truncated after its last captured layer, frozen, eval mode.
 
-    tp_size > 1: this process's shard of a tensor-parallel group (producer/tp.py; torch.distributed joined
-    already), through transformers' own plan for the model; the outputs are replicated on every rank.
+    distributed_config: this process's shard of a tensor-parallel group (producer/tp.py builds the config;
+    torch.distributed joined already), through transformers' own plan for the model; the outputs are
+    replicated on every rank.
 
     layer_ids default to the DFlash formula dflash_layer_ids(N, num_features); id i is the OUTPUT of decoder
     layer i (HF hidden_states[i + 1]).
@@ -412,7 +413,7 @@ def load_target(
     # missing weight is turned into an error instead (a random layer would silently corrupt the features).
     report_logger = logging.getLogger("transformers.modeling_utils")
     report_logger.addFilter(_errors_only)
-    parallel = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
+    parallel = {"distributed_config": distributed_config} if distributed_config is not None else {}
     try:
         model, info = AutoModel.from_pretrained(  # the base decoder: the LM head is never read
             path,
@@ -437,7 +438,7 @@ def load_target(
     if not hasattr(model, "layers") or len(model.layers) != keep:
         raise TargetLoadError(f"{path}: {type(model).__name__} has no `layers` list of {keep} decoder layers")
     model.requires_grad_(False).eval()
-    if tp_size == 1:  # a tensor-parallel shard is already on its rank's device
+    if distributed_config is None:  # a tensor-parallel shard is already on its rank's device
         model.to(device)
     return TargetCapture(model, model.config, ids, n_layers)
 

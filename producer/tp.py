@@ -26,11 +26,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from transformers.distributed import DistributedConfig
 
 log = logging.getLogger("producer.tp")
 
 BATCH, KEEPALIVE, STOP = 0, 1, 2
 LOAD_TIMEOUT_S = 3600.0  # loading a sharded 27B-class target can keep one rank waiting on the others this long
+
+
+def distributed_config(tp_size: int) -> DistributedConfig | None:
+    """What `load_target` gives transformers for a group of `tp_size` ranks (None: one process, no sharding)."""
+    return DistributedConfig(tp_size=tp_size) if tp_size > 1 else None
 
 
 class TPSetupError(RuntimeError):
