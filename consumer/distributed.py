@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import io
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from common import tensor_tree
 from common.profile import ProfileStats
 
 log = logging.getLogger("consumer")
@@ -284,8 +284,8 @@ class ReplicaGroup:
     def broadcast_state(self, load: Callable[[], tuple[str, dict] | None]) -> tuple[str, dict] | None:
         """Rank 0 runs `load()` (its latest checkpoint: (where, trainer state) or None) and sends it to all.
 
-        Only rank 0 reads the disk: nodes need no shared filesystem. The state travels as torch.save bytes
-        over the group and is read back with weights_only=True (the restricted unpickler).
+        Only rank 0 reads the disk: nodes need no shared filesystem. The state travels as msgpack bytes
+        (common/tensor_tree.py: no pickle crosses the network).
         """
         if self.world_size == 1:
             return load()
@@ -293,9 +293,7 @@ class ReplicaGroup:
         if self.rank == 0:
             loaded = load()
             if loaded is not None:
-                buf = io.BytesIO()
-                torch.save({"where": loaded[0], "state": loaded[1]}, buf)
-                payload = buf.getvalue()
+                payload = tensor_tree.pack({"where": loaded[0], "state": loaded[1]})
         size = torch.tensor([len(payload)], dtype=torch.int64)
         self._collective("the checkpoint broadcast", lambda: dist.broadcast(size, 0))
         if int(size) == 0:
@@ -303,7 +301,7 @@ class ReplicaGroup:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else \
             torch.empty(int(size), dtype=torch.uint8)
         self._collective("the checkpoint broadcast", lambda: dist.broadcast(data, 0))
-        got = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
+        got = tensor_tree.unpack(payload if self.rank == 0 else data.numpy().tobytes())
         return got["where"], got["state"]
 
     def gather_trained(self, seqs: list[int]) -> dict[int, list[int]]:
