@@ -89,8 +89,52 @@ def test_spec_generate_stops_at_a_stop_token_and_the_length_limit(trained):
     assert new == full[: full.index(stop) + 1]
     out = draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=7, target=target, stop_token_ids=[])
     assert out[0, len(prompts[0]) :].tolist() == full[:7]
-    with pytest.raises(ValueError, match="only greedy"):
-        draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=4, target=target, temperature=0.7)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=4, target=target, temperature=-0.5)
+
+
+def test_spec_generate_samples_and_is_greedy_at_a_vanishing_temperature(trained):
+    """One-hot p and q (temperature 1e-6) make speculative sampling greedy verification: same tokens and the
+    same acceptance per step, which pins the slot alignment of p, q and the drafts."""
+    target, _, draft, prompts = trained
+    greedy = draft.spec_generate(input_ids=prompts[1][None], max_new_tokens=30, target=target, stop_token_ids=[EOS])
+    greedy_steps = list(draft.acceptance_lengths)
+    cold = draft.spec_generate(input_ids=prompts[1][None], max_new_tokens=30, target=target,
+                               stop_token_ids=[EOS], temperature=1e-6)
+    assert cold.tolist() == greedy.tolist() and draft.acceptance_lengths == greedy_steps
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(draft.spec_generate(input_ids=prompts[1][None], max_new_tokens=30, target=target,
+                                        stop_token_ids=[], temperature=1.5)[0].tolist())
+        assert all(1 <= a <= B for a in draft.acceptance_lengths)
+    assert runs[0] == runs[1] and len(runs[0]) == len(prompts[1]) + 30  # seeded: repeatable, no early stop
+    assert runs[0] != greedy[0].tolist()[: len(runs[0])]  # and it does sample
+
+
+def test_speculative_accept_commits_the_targets_distribution():
+    """Literal p (target) and q (drafter) that differ a lot: without the rejection rule the committed tokens
+    would follow q. 20,000 blocks of K = 2 drafts; slot 0, slot 1 given slot 0 kept, and the bonus token after
+    a fully kept block must each follow p (total variation < 0.02; q is 0.3+ away)."""
+    from consumer.export.dflash import speculative_accept
+
+    p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.7, 0.1, 0.1, 0.1]])
+    torch.manual_seed(0)
+    slot0, slot1, bonus = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    for _ in range(20_000):
+        drafts = torch.multinomial(q, 1)[:, 0]
+        a, nxt = speculative_accept(p, q, drafts)
+        committed = [*drafts[:a].tolist(), nxt]
+        slot0[committed[0]] += 1
+        if a >= 1:
+            slot1[committed[1]] += 1
+        if a == 2:
+            bonus[committed[2]] += 1
+    for seen, want in ((slot0, p[0]), (slot1, p[1]), (bonus, p[2])):
+        assert seen.sum() > 500
+        assert 0.5 * (seen / seen.sum() - want).abs().sum() < 0.02, (seen / seen.sum(), want)
+    assert 0.5 * (p[0] - q[0]).abs().sum() > 0.3 and 0.5 * (p[1] - q[1]).abs().sum() > 0.3
 
 
 def test_draft_kv_cache_gives_the_uncached_drafts(trained):

@@ -14,6 +14,7 @@ committed token), given the target features of the context positions not yet in 
     h = model(noise_embedding=target_embed(block), target_hidden=ctx,
               past_key_values=cache, use_cache=True)                             # [1, B, H]
     draft = target_lm_head(h)[:, 1:].argmax(-1)                                  # B-1 draft tokens
+                                                   # (temperature > 0: sampled, then speculative sampling)
 
 Layers are Qwen3 layers whose keys/values also carry the fused target context (context rows skip
 the input norm, Q, O and MLP); attention is non-causal; RoPE uses absolute positions and the
@@ -126,6 +127,29 @@ def _stop_ids(stop_token_ids, config) -> set[int]:
     return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
 
 
+def _probs(logits, temperature: float):
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def speculative_accept(p, q, drafts) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of one verified block.
+
+    p [K+1, V]: the target's probabilities at the K draft slots and one past them; q [K, V]: the drafter's,
+    from which drafts [K] were sampled. drafts[k] is kept with probability min(1, p[k, x] / q[k, x]) while all
+    before it were kept; the first rejected slot takes a sample of normalise(max(0, p[k] - q[k])), and a fully
+    accepted block a sample of p[K]. Every committed token is then distributed exactly as p. A drafter's q[k]
+    depends on the context only, not on drafts[:k], which is all the proof needs. -> (accepted count, next)."""
+    K = drafts.numel()
+    slots = torch.arange(K, device=drafts.device)
+    ratio = p[slots, drafts] / q[slots, drafts]
+    kept = torch.rand(K, device=p.device) < ratio
+    a = int(torch.cumprod(kept.int(), 0).sum())
+    if a == K:
+        return a, int(torch.multinomial(p[K], 1))
+    residual = (p[a] - q[a]).clamp_min(0)
+    return a, int(torch.multinomial(residual if residual.sum() > 0 else p[a], 1))
+
+
 class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = ""
@@ -182,15 +206,17 @@ class DFlashDraftModel(PreTrainedModel):
 
     @torch.no_grad()
     def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):
-        """Greedy speculative decoding of one prompt with a transformers causal LM `target`:
+        """Speculative decoding of one prompt with a transformers causal LM `target`:
         input_ids [1, P] -> [1, P + n] with n <= max_new_tokens, ending at the first stop token (kept;
-        default: config.eos_token_id). The output equals the target's own greedy decoding. Per step:
-        draft B-1 tokens from the anchor, verify them in one target forward, keep the longest matching
-        prefix plus the target's next token. Targets whose cache cannot be rolled back (linear-attention
+        default: config.eos_token_id). temperature 0: the output equals the target's own greedy decoding;
+        temperature > 0: each token is distributed exactly as the target's sampling at that temperature
+        (speculative sampling, `speculative_accept`; torch's global RNG, so torch.manual_seed repeats a run).
+        Per step: draft B-1 tokens from the anchor, verify them in one target forward, keep the accepted
+        prefix plus one token from the target. Targets whose cache cannot be rolled back (linear-attention
         layers) are restored from a copy and re-fed the accepted tokens. self.acceptance_lengths holds
         each step's count of committed tokens."""
-        if temperature != 0.0:
-            raise ValueError(f"spec_generate: temperature={temperature}: only greedy decoding (0.0) is implemented")
+        if not temperature >= 0.0:
+            raise ValueError(f"spec_generate: temperature must be >= 0, got {temperature}")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate: input_ids must be [1, P] (one prompt), got {tuple(input_ids.shape)}")
         self.eval()
@@ -202,7 +228,9 @@ class DFlashDraftModel(PreTrainedModel):
         tcache = DynamicCache(config=target.config)
         tcache.activate_past_recording()  # sliding-window layers can then be rolled back
         out = target(input_ids=input_ids, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)
-        tokens = [*input_ids[0].tolist(), int(out.logits[0, -1].argmax())]
+        first = out.logits[0, -1]
+        first = first.argmax() if temperature == 0.0 else torch.multinomial(_probs(first, temperature), 1)[0]
+        tokens = [*input_ids[0].tolist(), int(first)]
         ctx = self._features(out.hidden_states, dtype)  # [1, P, n·H]: positions 0..P-1
         dcache = DynamicCache(config=self.config)
         self.acceptance_lengths = []
@@ -211,12 +239,22 @@ class DFlashDraftModel(PreTrainedModel):
             block = torch.tensor([tokens[-1]] + [self.mask_token_id] * (B - 1), device=input_ids.device)
             pos = torch.arange(p - ctx.shape[1], p + B, device=input_ids.device)[None]
             h = self(F.embedding(block, embed)[None].to(dtype), ctx, pos, past_key_values=dcache, use_cache=True)
-            drafts = (h[0, 1:].to(head.dtype) @ head.T).argmax(-1)  # [B-1]
+            draft_logits = h[0, 1:].to(head.dtype) @ head.T  # [B-1, V]
+            if temperature == 0.0:
+                drafts = draft_logits.argmax(-1)
+            else:
+                q = _probs(draft_logits, temperature)
+                drafts = torch.multinomial(q, 1)[:, 0]
             verify = torch.cat([block[:1], drafts])[None]
             snapshot = None if tcache.is_croppable else copy.deepcopy(tcache)
             out = target(input_ids=verify, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)
-            choice = out.logits[0].argmax(-1)  # choice[k]: the target's token for position p+k+1
-            a = int(torch.cumprod((drafts == choice[:-1]).int(), 0).sum())
+            # out.logits[0, k]: the target's distribution for position p+k+1, the slot of drafts[k]
+            if temperature == 0.0:
+                choice = out.logits[0].argmax(-1)
+                a = int(torch.cumprod((drafts == choice[:-1]).int(), 0).sum())
+                nxt = int(choice[a])
+            else:
+                a, nxt = speculative_accept(_probs(out.logits[0], temperature), q, drafts)
             # positions p+a+1.. were rejected: roll the target's cache back to 0..p+a
             if snapshot is None:
                 tcache.crop(-(B - 1 - a))  # crop(0) also trims sliding layers back to their window
@@ -224,7 +262,7 @@ class DFlashDraftModel(PreTrainedModel):
                 tcache = snapshot
                 target(input_ids=verify[:, : a + 1], **{cache_kw: tcache}, use_cache=True)
             ctx = self._features(out.hidden_states, dtype)[:, : a + 1]  # verified positions p..p+a
-            accepted = [*drafts[:a].tolist(), int(choice[a])]
+            accepted = [*drafts[:a].tolist(), nxt]
             self.acceptance_lengths.append(a + 1)
             tokens += accepted
         new = tokens[P : P + max_new_tokens]
