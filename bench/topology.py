@@ -167,8 +167,8 @@ def run_consumer(job_path: str, replica: int, drafter_s: float, out: str) -> int
     streams = [BatchStream(job, cfg.name, replica, torch.device("cpu"), resume_seq=lambda p=p: service.resume_seq(p),
                            producer=p) for p in range(producers)]
     service = ConsumerService(trainer, streams[0] if producers == 1 else FanIn(streams), lambda what: None,
-                              group=group, cursor=GroupCursor.fresh(1), checkpoint_every=cfg.checkpoint_every,
-                              idle_timeout_s=job.transport.heartbeat_interval_s, producers=producers)
+                              group=group, cursor=GroupCursor.fresh(1, producers), checkpoint_every=cfg.checkpoint_every,
+                              idle_timeout_s=job.transport.heartbeat_interval_s)
     status = service.run()
     Path(out).write_text(json.dumps({"times": trainer.times, "slept": trainer.slept, "tokens": trainer.tokens}))
     return status

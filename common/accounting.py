@@ -8,12 +8,14 @@ Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
               batch       node, seq, epoch, samples [ids], to [[drafter, replica, session], ...]
     consumer  start       drafter, rank, world, base (id of the checkpoint resumed from, or null), base_step
               step        drafter, rank, step, seqs (this replica's batches in that optimizer step)
-              checkpoint  drafter, id, parent, step, trained {node: [seqs]}, cursors, trained_above
+              checkpoint  drafter, id, parent, step, trained {node: [seqs]}, producers, cursors, trained_above
               saved       drafter, id (or null on a replica that does not write), step
 
 The chain: every checkpoint record names its parent (the previous successful save of this process, or the
 checkpoint it resumed from) and carries the seqs the replica group trained since that parent, repeats
-included. The checkpoint itself carries its record's id in trainer_state.pt ("ledger": {"id": ...}), written
+included, and the group cursor: one entry per node and producer (target replica p of R makes the node's
+seqs ≡ p mod R), flat at index node × producers + producer; a record without "producers" is per node (R = 1).
+The checkpoint itself carries its record's id in trainer_state.pt ("ledger": {"id": ...}), written
 atomically with it, so the checker starts from what `latest` really points at. The record is written before
 the checkpoint is written: a process killed between the two leaves a record that no checkpoint names.
 
@@ -154,10 +156,11 @@ class TrainLedger:
         self.log.write("step", {"drafter": self.drafter, "rank": self.rank, "step": step, "seqs": list(seqs)})
 
     def checkpoint(self, what: Any, trained: dict[int, list[int]], cursors: Sequence[int],
-                   trained_above: Sequence[Sequence[int]]) -> LedgerCheckpoint:
+                   trained_above: Sequence[Sequence[int]], *, producers: int = 1) -> LedgerCheckpoint:
         """Log the checkpoint about to be written and return `what` carrying the record's id.
 
-        `trained`: every seq the group trained since the previous checkpoint, per node, repeats included."""
+        `trained`: every seq the group trained since the previous checkpoint, per node, repeats included.
+        `cursors`, `trained_above`: the group cursor after it, per node and producer (flat, see above)."""
         for node, seqs in trained.items():
             self._pending.setdefault(int(node), []).extend(int(s) for s in seqs)
         self._count += 1
@@ -165,7 +168,8 @@ class TrainLedger:
         self.log.write("checkpoint", {
             "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(what.step),
             "trained": {str(n): s for n, s in sorted(self._pending.items())},
-            "cursors": list(cursors), "trained_above": [list(a) for a in trained_above],
+            "producers": producers, "cursors": [int(c) for c in cursors],
+            "trained_above": [[int(s) for s in a] for a in trained_above],
         })
         self._attempt = record_id
         return LedgerCheckpoint(what, record_id)

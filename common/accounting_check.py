@@ -7,7 +7,8 @@
 For each drafter: start from the checkpoint `latest` points at, read the ledger id it carries, walk the
 chain of checkpoint records back to a fresh start and collect the seqs trained along it. Then:
   - duplicates: a seq trained twice in the lineage, or a sample trained twice within one epoch;
-  - missing: a seq below the final cursor that the lineage never trained (so its samples were lost);
+  - missing: a seq below its producer's final cursor that the lineage never trained (its samples were lost;
+    the cursors are per node and producer: producer p of R makes the node's seqs ≡ p mod R);
   - every seq in the lineage was delivered by the producer to this drafter, always with the same samples;
   - every epoch the lineage covers entirely holds exactly the plan's sample set (count and digest);
   - crash losses: steps that crashed incarnations trained after their last checkpoint; each must be in the
@@ -180,22 +181,28 @@ def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict
     for rec in reversed(lineage):
         for node, seqs in rec["trained"].items():
             node_seqs[int(node)].extend(seqs)
-    final_cursors = lineage[0]["cursors"] if lineage else []
-    rep.complete = bool(final_cursors) and all(
-        n in plans and c >= plans[n]["total_batches"] for n, c in enumerate(final_cursors))
+    cursors = _final_cursors(lineage[0]) if lineage else {}
+    rep.complete = bool(cursors) and all(
+        n in plans and min(c) >= plans[n]["total_batches"] for n, c in cursors.items())
     for node, seqs in sorted(node_seqs.items()):
-        _check_node(rep, drafter, node, seqs, final_cursors, plans.get(node), deliveries)
+        _check_node(rep, drafter, node, seqs, cursors.get(node, ()), plans.get(node), deliveries)
     _check_crash_losses(rep, mine, node_seqs)
     return rep
 
 
-def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cursors: list[int],
+def _final_cursors(record: dict) -> dict[int, tuple[int, ...]]:
+    """{node: (cursor of producer 0, 1, ...)} from a checkpoint record (flat per node and producer)."""
+    r, flat = record.get("producers", 1), record["cursors"]
+    return {n: tuple(flat[n * r:(n + 1) * r]) for n in range(len(flat) // r)}
+
+
+def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cursors: tuple[int, ...],
                 plan: dict | None, deliveries: dict) -> None:
+    """`cursors`: the node's final cursor per producer (producer p's seqs are ≡ p mod len(cursors))."""
     counts = Counter(seqs)
     rep.trained_batches += len(seqs)
     rep.duplicate_batches += sum(c - 1 for c in counts.values() if c > 1)
-    cursor = cursors[node] if node < len(cursors) else 0
-    missing = [s for s in range(cursor) if s not in counts]
+    missing = [s for p, c in enumerate(cursors) for s in range(p, c, len(cursors)) if s not in counts]
     rep.missing_batches += len(missing)
     for s in missing:
         got = deliveries.get((node, s))

@@ -120,11 +120,12 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
     except (NoIntactCheckpoint, NonFiniteCheckpointError) as err:
         log.error("%s", err)
         return 2
-    cursor = GroupCursor.fresh(env.nnodes)
+    cursor = GroupCursor.fresh(env.nnodes, job.target.replicas)  # one cursor per producer of each node
     if resumed is not None:
         where, state = resumed
-        cursor = GroupCursor.from_state(state, env.nnodes, where)
-        log.info("resumed from %s: step %d, next seq %d", where, trainer.step, cursor.cursors[env.node_rank])
+        cursor = GroupCursor.from_state(state, env.nnodes, job.target.replicas, where)
+        log.info("resumed from %s: step %d, next seq per producer %s", where, trainer.step,
+                 list(cursor.cursors[env.node_rank]))
     group.broadcast_params(trainer.params)
     if group.world_size > 1:
         trainer.grad_sync = group.sum_grads
@@ -151,7 +152,7 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
                            base=ledger_id_of(resumed[1]) if resumed else None,
                            resumed_from=resumed[0] if resumed else None),
-        stop=stop, producers=producers,
+        stop=stop,
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
              cfg.num_layers, cfg.block_size, layer_ids)

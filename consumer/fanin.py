@@ -6,7 +6,7 @@ no producer is starved. The batch stream ends when every producer has ended it; 
 being refused by one, ends the consumer (the whole job is torn down and resumed by launch.sh).
 
 Seqs are the node's: target replica p makes the seqs p, p + R, p + 2R, ... of one batch plan (producer/
-delivery.py), so a seq names its producer (seq mod R) and the group's cursor stays one per node.
+delivery.py), so a seq names its producer (seq mod R) and the group keeps one cursor per producer.
 """
 
 from __future__ import annotations

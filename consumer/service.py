@@ -73,11 +73,10 @@ class ConsumerService:
         trace: StepTrace | None = None,
         ledger: TrainLedger | None = None,
         stop: StopSignal | None = None,
-        producers: int = 1,
     ):
         """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
-        `cursor` is where the group resumes (from its checkpoint, or fresh). `producers`: the node's target
-        replicas feeding this stream (consumer/fanin.py); producer p makes the seqs ≡ p mod producers."""
+        `cursor` is where the group resumes (from its checkpoint, or fresh), one per producer of each node:
+        `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p."""
         self.trainer = trainer
         self.stream = stream
         self.save_checkpoint = save_checkpoint
@@ -104,14 +103,14 @@ class ConsumerService:
         self._step_samples: list[int] = []
         self._group_tokens = 0  # the group's tokens in the step being accumulated
         self._trained: list[int] = []  # seqs of completed steps since the last checkpoint
-        self._skip = set(cursor.trained_above[self.node])  # trained before the checkpoint we resumed from
-        self.producers = producers
+        self._skip = cursor.above(self.node)  # trained before the checkpoint we resumed from
+        self.producers = cursor.producers
         self._highest_seen: dict[int, int] = {}  # per producer: the highest seq trained since the start
 
     def resume_seq(self, producer: int = 0) -> int:
-        """The seq this replica asks `producer` for in HELLO: the group's cursor at start, past what it
-        trained from that producer after (a producer resumes at its first seq from there)."""
-        return max(self.cursor.cursors[self.node], self._highest_seen.get(producer, -1) + 1)
+        """The seq this replica asks `producer` for in HELLO: the group's cursor for that producer, past what
+        this replica trained from it since (a producer resumes at its first seq from there)."""
+        return max(self.cursor.cursors[self.node][producer], self._highest_seen.get(producer, -1) + 1)
 
     @property
     def _stop_reason(self) -> str | None:
@@ -256,10 +255,12 @@ class ConsumerService:
         if self.group.is_writer:
             what = GroupCheckpoint(self.trainer, self.cursor, self.group.world_size)
             if self.ledger:  # logs the seqs this checkpoint adds; the checkpoint carries the record's id
-                what = self.ledger.checkpoint(what, trained, self.cursor.cursors, self.cursor.trained_above)
+                state = self.cursor.to_state()
+                what = self.ledger.checkpoint(what, trained, state["cursors"], state["trained_above"],
+                                              producers=self.cursor.producers)
             self.save_checkpoint(what)
-            log.info("%s: checkpoint at step %d (resume at seq %s, %s) in %.2f s", self.name, self.trainer.step,
-                     list(self.cursor.cursors), reason, time.perf_counter() - start)
+            log.info("%s: checkpoint at step %d (resume at seqs %s per node and producer, %s) in %.2f s", self.name,
+                     self.trainer.step, [list(c) for c in self.cursor.cursors], reason, time.perf_counter() - start)
         if self.ledger:
             self.ledger.saved(self.trainer.step)
 

@@ -178,14 +178,15 @@ def test_fallback_keeps_the_exactly_once_lineage(setup, tmp_path):
 
     def incarnation(trainer, seqs, base):
         ledger = TrainLedger(run, "d0", 0, 1, base=base, base_step=trainer.step)
-        cursor = GroupCursor.from_state(trainer.state_dict(), 1, "test") if trainer.step else GroupCursor.fresh(1)
+        cursor = GroupCursor.from_state(trainer.state_dict(), 1, 1, "test") if trainer.step else GroupCursor.fresh(1)
         for pair in seqs:
             for s in pair:
                 trainer.train_batch(*batch, seq=s)
                 ledger.stepped(trainer.step, [s])
             cursor = cursor.advance({0: list(pair)})
-            what = ledger.checkpoint(GroupCheckpoint(trainer, cursor, 1), {0: list(pair)}, cursor.cursors,
-                                     cursor.trained_above)
+            state = cursor.to_state()
+            what = ledger.checkpoint(GroupCheckpoint(trainer, cursor, 1), {0: list(pair)}, state["cursors"],
+                                     state["trained_above"], producers=state["producers"])
             save_checkpoint(root, what)
             ledger.saved(trainer.step)
         ledger.close()

@@ -38,26 +38,27 @@ def test_round_completes_when_everyone_has_a_batch_or_ended_or_someone_starved()
 
 # ------------------------------------------------------------------------------------------- cursor
 def test_cursor_is_the_lowest_untrained_seq_and_remembers_what_lies_above():
-    c = GroupCursor.fresh(2)
+    c = GroupCursor.fresh(2)  # one producer per node
     # node 0: seq 2 still in flight to a replica while 3 was trained (round-robin + join): max+1 would skip 2
     c = c.advance({0: [0, 1, 3], 1: [0, 1]})
-    assert c.cursors == (2, 2) and c.trained_above == ((3,), ())
+    assert c.cursors == ((2,), (2,)) and c.trained_above == (((3,),), ((),))
     c = c.advance({0: [2, 4], 1: []})
-    assert c.cursors == (5, 2) and c.trained_above == ((), ())
+    assert c.cursors == ((5,), (2,)) and c.trained_above == (((),), ((),))
     state = c.to_state()
-    assert GroupCursor.from_state({"group": state}, 2, "ckpt") == c
+    assert state == {"producers": 1, "cursors": [5, 2], "trained_above": [[], []]}  # the per-node layout
+    assert GroupCursor.from_state({"group": state}, 2, 1, "ckpt") == c
 
 
 def test_cursor_from_a_single_replica_checkpoint_and_refusals():
-    assert GroupCursor.from_state({"last_seq": 9}, 1, "ckpt").cursors == (10,)
+    assert GroupCursor.from_state({"last_seq": 9}, 1, 1, "ckpt").cursors == ((10,),)
     with pytest.raises(GroupError, match="single-node run"):
-        GroupCursor.from_state({"last_seq": 9}, 2, "ckpt")
+        GroupCursor.from_state({"last_seq": 9}, 2, 1, "ckpt")
     with pytest.raises(GroupError, match="over 2 node"):
-        GroupCursor.from_state({"group": GroupCursor.fresh(2).to_state()}, 3, "ckpt")
+        GroupCursor.from_state({"group": GroupCursor.fresh(2).to_state()}, 3, 1, "ckpt")
 
 
 def test_cursor_logs_a_seq_trained_twice(caplog):
-    GroupCursor((4,), ((6,),)).advance({0: [3, 6, 4]})
+    GroupCursor(1, ((4,),), (((6,),),)).advance({0: [3, 6, 4]})
     assert "seqs [3, 6] were trained twice" in caplog.text
 
 
