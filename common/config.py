@@ -14,7 +14,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -46,12 +54,26 @@ class TargetConfig(_Section):
     layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # overrides the DFlash formula
     # tensor parallelism (producer/tp.py): one producer is a group of tp_size processes, rank 0 owns the ring
     tp_size: Annotated[int, Field(ge=1, le=64)] = 1
+    # expert parallelism for a MoE target: 1 or tp_size, each rank of the group then holds 1/ep_size of the
+    # experts whole instead of a slice of every expert (transformers' base_model_ep_plan, producer/tp.py)
+    ep_size: Annotated[int, Field(ge=1, le=64)] = 1
     # target replicas: producers (each a TP group), each making its own batches of the node's plan, its own ring;
     # every consumer attaches to every one of them
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
     # every rank's device: replicas × tp_size entries, replica r's rank k on devices[r·tp_size + k];
     # empty: every rank on `device`
     devices: list[str] = Field(default_factory=list)
+
+    @field_validator("ep_size")
+    @classmethod
+    def _ep_is_the_tp_group(cls, ep: int, info: ValidationInfo) -> int:
+        tp = info.data.get("tp_size", 1)
+        if ep > 1 and ep != tp:
+            raise ValueError(
+                f"ep_size = {ep} with tp_size = {tp}: transformers needs ep_size to be a multiple of tp_size that"
+                " divides fsdp_size × tp_size, and a producer's group runs one batch (fsdp_size 1), so ep_size is"
+                f" 1 or tp_size ({tp})")
+        return ep
 
     @model_validator(mode="after")
     def _devices_match_ranks(self) -> TargetConfig:
@@ -382,6 +404,7 @@ def parse_job(doc: dict, source: str = "<job>") -> JobConfig:
         )
     _check_slot_capacity(job, source)
     _check_tensor_parallel(job, source)
+    _check_expert_parallel(job, source)
     return job
 
 
@@ -402,6 +425,35 @@ def _check_tensor_parallel(job: JobConfig, source: str) -> None:
         if isinstance(value, int) and value % tp:
             raise ConfigError(f"{source}: target.tp_size: tp_size = {tp} does not divide the target's {key}"
                               f" ({value}, {cfg_path}): tensor parallelism splits it evenly across the ranks")
+
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_expert_parallel(job: JobConfig, source: str) -> None:
+    """ep_size > 1 needs a MoE target whose transformers config has an expert-parallel plan
+    (`base_model_ep_plan`: qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3, glm4_moe, ...) and an expert count that
+    ep_size divides: each rank holds num_experts / ep_size whole experts. Checked when the target's config is on
+    disk (transformers is imported only then)."""
+    ep = job.target.ep_size
+    cfg_path = Path(job.target.path) / "config.json"
+    if ep == 1 or not cfg_path.is_file():
+        return
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(job.target.path, local_files_only=True).get_text_config()
+    except (OSError, ValueError, KeyError):
+        return  # the producer names a config.json transformers cannot read when it loads the target
+    where = f"{type(text).__name__}, {cfg_path}"
+    if not getattr(text, "base_model_ep_plan", None):
+        raise ConfigError(f"{source}: target.ep_size: ep_size = {ep} but the target ({where}) has no expert-parallel"
+                          " plan in transformers (base_model_ep_plan): expert parallelism needs a MoE target such as"
+                          " qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3 or glm4_moe; set ep_size = 1")
+    experts = next((v for k in EXPERT_COUNT_KEYS if isinstance(v := getattr(text, k, None), int)), None)
+    if experts is not None and experts % ep:
+        raise ConfigError(f"{source}: target.ep_size: ep_size = {ep} does not divide the target's {experts} experts"
+                          f" ({where}): each rank holds an equal share of whole experts")
 
 
 def _check_slot_capacity(job: JobConfig, source: str) -> None:

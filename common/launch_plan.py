@@ -17,7 +17,8 @@ Target replicas: one producer per replica (`producer`, `producer-p1`, ...; `--re
 tp_size = N > 1 makes each of them N processes (`producer-p1`, `producer-p1-tp1`, ...; producer/tp.py), a
 torch.distributed group on this node: MASTER_ADDR 127.0.0.1, MASTER_PORT = base + number of drafters + p,
 WORLD_SIZE = N, RANK = k, LOCAL_RANK = the CUDA index of target.devices[k] (transformers binds cuda:LOCAL_RANK),
-or k on the CPU.
+or k on the CPU. With target.ep_size = N the same group is also the expert-parallel group (the device map
+says which slice of the experts each rank holds); no other variables are needed.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
         devs = t.devices_of(p)
         for k in range(t.tp_size):
             what = f"target replica {p}" + (f", TP rank {k} of {t.tp_size}" if t.tp_size > 1 else "")
+            if t.ep_size > 1:
+                what += f", EP rank {k} (expert slice {k}: 1/{t.ep_size} of each MoE layer's experts)"
             if k == 0:
                 what += ": ring, control socket, delivery"
                 if t.tp_size > 1:
@@ -141,7 +144,8 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
     consumers = sum(d.replicas for d in job.drafters)
     lines = [f"device map of job {job.job.name}, node {node_rank} of {nnodes}:"]
     lines += [f"  {n:<{width}}  {dev:<{dwidth}}  {what}" for n, dev, what in rows]
-    lines.append(f"target: {t.replicas} replica(s) × TP {t.tp_size} = {t.replicas * t.tp_size} rank(s) on"
+    ep = f" (EP {t.ep_size}: each rank holds 1/{t.ep_size} of the experts whole)" if t.ep_size > 1 else ""
+    lines.append(f"target: {t.replicas} replica(s) × TP {t.tp_size}{ep} = {t.replicas * t.tp_size} rank(s) on"
                  f" {', '.join(target_devs)}; replica p makes batches p, p + {t.replicas}, ... of the node's plan")
     lines.append(f"drafters: {consumers} replica(s) on {', '.join(drafter_devs)}; every one is fed by all"
                  f" {t.replicas} producer(s) ({t.replicas} × {consumers} control connections and ring views)")

@@ -2,7 +2,8 @@
 
 The launch plan exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to every process of the group.
 Every rank loads its shard of the target through transformers' own tensor parallelism
-(`DistributedConfig(tp_size=N)`: the model's `base_model_tp_plan`, DTensor weights, its own all-reduces).
+(`DistributedConfig(tp_size=N)`: the model's `base_model_tp_plan`, DTensor weights, its own all-reduces); a MoE
+target with `target.ep_size = N` also shards its experts whole across the group (`base_model_ep_plan`).
 Rank 0 is the producer proper: it owns the ring, the control socket, delivery, accounting and stats. Before
 each target forward it broadcasts the batch's tokens (a header [command, T, B+1] and then input_ids ‖ cu_seqlens,
 on a gloo group of their own); the other ranks (`follow`) run their shard of the same forward into a scratch
@@ -26,7 +27,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from transformers.distributed import DistributedConfig
+
+from common.config import TargetConfig
 
 log = logging.getLogger("producer.tp")
 
@@ -34,9 +38,36 @@ BATCH, KEEPALIVE, STOP = 0, 1, 2
 LOAD_TIMEOUT_S = 3600.0  # loading a sharded 27B-class target can keep one rank waiting on the others this long
 
 
-def distributed_config(tp_size: int) -> DistributedConfig | None:
-    """What `load_target` gives transformers for a group of `tp_size` ranks (None: one process, no sharding)."""
-    return DistributedConfig(tp_size=tp_size) if tp_size > 1 else None
+def distributed_config(target: TargetConfig) -> DistributedConfig | None:
+    """What `load_target` gives transformers for the target's group (None: one process, no sharding).
+
+    tp_size shards attention and dense MLPs by heads and columns (`base_model_tp_plan`). ep_size = tp_size
+    instead gives each rank tp_size-th of the experts whole (`base_model_ep_plan`): every rank runs its own
+    experts on the batch the group shares and an all-reduce sums them ("all_reduce": no tokens move and no
+    split sizes come back to the host, unlike "all_to_all", which is for ranks holding different batches)."""
+    if target.tp_size == 1:
+        return None
+    if target.ep_size == 1:
+        return DistributedConfig(tp_size=target.tp_size)
+    return DistributedConfig(tp_size=target.tp_size, ep_size=target.ep_size, ep_implementation="all_reduce")
+
+
+def ep_shard(model: torch.nn.Module) -> str | None:
+    """The log line that shows expert parallelism took effect on this rank: the first expert weight's local
+    shard against its full shape, and the share of all expert weights held here (None: no sharded experts)."""
+    local = full = 0
+    first = None
+    for name, param in model.named_parameters():
+        if ".experts." not in name or not isinstance(param, DTensor):
+            continue
+        if not any(isinstance(p, Shard) and p.dim == 0 for p in param.placements):
+            return None  # experts sliced by tensor parallelism, not whole experts per rank
+        local += param.to_local().numel()
+        full += param.numel()
+        first = first or f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)}"
+    if first is None:
+        return None
+    return f"expert parallel: {first}; {100 * local / full:.1f} % of the expert weights on this rank"
 
 
 class TPSetupError(RuntimeError):

@@ -1,8 +1,10 @@
 """Target tensor parallelism (producer/tp.py): a TP 2 producer group writes the same features into the ring as a
-TP 1 producer, for a dense and a MoE target; the launch plan gives each rank torchrun's variables; bad set-ups
-are refused with a message naming the key or the variable."""
+TP 1 producer, for a dense and a MoE target, and with expert parallelism (ep_size 2: each rank holds half the
+experts whole) for two MoE families; the launch plan gives each rank torchrun's variables; bad set-ups are refused
+with a message naming the key or the variable."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen3MoeConfig
 
 from common.config import ConfigError, load_job
 from common.launch_plan import plan
@@ -25,10 +28,11 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
-def zoo_job(assets: Path, target: Path, tp: int, name: str) -> Path:
-    """The tests' job on a zoo target (its byte-level tokenizer), `tp` ranks on the CPU."""
+def zoo_job(assets: Path, target: Path, tp: int, name: str, ep: int = 1) -> Path:
+    """The tests' job on a zoo target (its byte-level tokenizer), `tp` ranks on the CPU, `ep` of them sharing the
+    experts."""
     job = write_job(assets, drafters=DRAFTER, name=name, tokens_per_batch=1024)
-    text = job.read_text().replace(f'path = "{assets / "target"}"', f'path = "{target}"\ntp_size = {tp}')
+    text = job.read_text().replace(f'path = "{assets / "target"}"', f'path = "{target}"\ntp_size = {tp}\nep_size = {ep}')
     job.write_text(text.replace("[data]\n", f'[data]\ntokenizer = "{target}"\n'))
     return job
 
@@ -61,11 +65,15 @@ def ring_batches(job: Path, tmp: Path, tag: str, n: int = 3) -> list[dict]:
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_tp2_ring_features_equal_tp1(assets, tmp_path, arch):
+SHARD_LOG = re.compile(r"rank (\d): expert parallel: (\S+) \(([\d, ]+)\) of \(([\d, ]+)\); ([\d.]+) % of the expert")
+
+
+@pytest.mark.parametrize(("arch", "ep"), [("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2),
+                                         pytest.param("gpt_oss", 2, marks=pytest.mark.slow)])
+def test_tp2_ring_features_equal_tp1(assets, tmp_path, arch, ep):
     target = build_target(arch, tmp_path / arch, num_layers=3)
     one = ring_batches(zoo_job(assets, target, 1, f"tp1{arch}"), tmp_path, "tp1")
-    two_job = zoo_job(assets, target, 2, f"tp2{arch}")
+    two_job = zoo_job(assets, target, 2, f"tp2{arch}", ep)
     two = ring_batches(two_job, tmp_path, "tp2")
     assert [b["seq"] for b in two] == [b["seq"] for b in one] == [0, 1, 2]
     assert all(len(b["cu_seqlens"]) > 2 for b in one)  # packed batches of several sequences
@@ -75,6 +83,16 @@ def test_tp2_ring_features_equal_tp1(assets, tmp_path, arch):
         torch.testing.assert_close(b["hidden"], a["hidden"], atol=1e-5, rtol=0)
     follower_log = (tmp_path / "tp2-producer-tp1.log").read_text()
     assert "rank 0 ended the group after" in follower_log and "tensor-parallel rank 1 of 2" in follower_log
+    if ep == 1:
+        return
+    # expert parallelism: each rank holds 2 of the 4 experts whole, i.e. half of every expert weight tensor
+    for rank, name in enumerate(("producer", "producer-tp1")):
+        found = SHARD_LOG.findall((tmp_path / f"tp2-{name}.log").read_text())
+        assert len(found) == 1, found
+        r, param, local, full, pct = found[0]
+        local, full = [int(v) for v in local.split(",")], [int(v) for v in full.split(",")]
+        assert (int(r), ".experts." in param, full[0], local[0], local[1:]) == (rank, True, 4, 2, full[1:])
+        assert float(pct) == 50.0
 
 
 def test_launch_plan_gives_every_rank_torchruns_variables(assets, tmp_path):
@@ -99,6 +117,35 @@ def test_bad_tp_settings_name_the_key(assets, target_keys, message):
     job.write_text(job.read_text().replace("num_features = 3", f"num_features = 3\n{target_keys}"))
     with pytest.raises(ConfigError, match=message):
         load_job(job)
+
+
+@pytest.mark.parametrize(("target_keys", "message"), [
+    ("ep_size = 2", "target.ep_size: ep_size = 2 with tp_size = 1: .* so ep_size is 1 or tp_size"),
+    ("tp_size = 2\nep_size = 4", "target.ep_size: ep_size = 4 with tp_size = 2"),
+    ("tp_size = 2\nep_size = 2", r"target.ep_size: ep_size = 2 but the target \(Qwen3Config, .*\) has no expert-parallel plan"),
+])
+def test_bad_ep_settings_name_the_key(assets, target_keys, message):
+    job = write_job(assets, drafters=DRAFTER)
+    job.write_text(job.read_text().replace("num_features = 3", f"num_features = 3\n{target_keys}"))
+    with pytest.raises(ConfigError, match=message):
+        load_job(job)
+
+
+def test_ep_size_must_divide_the_experts(assets, tmp_path):
+    """A MoE target with 6 experts: ep_size 4 leaves ranks with unequal shares (transformers refuses it at load);
+    the job file says so first. 2 divides them."""
+    cfg = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                         num_hidden_layers=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg.save_pretrained(tmp_path / "moe6")
+    for ep, ok in ((4, False), (2, True)):
+        job = write_job(assets, drafters=DRAFTER, name=f"ep{ep}")
+        job.write_text(job.read_text().replace(f'path = "{assets / "target"}"',
+                                               f'path = "{tmp_path / "moe6"}"\ntp_size = {ep}\nep_size = {ep}'))
+        if ok:
+            assert load_job(job).target.ep_size == 2
+        else:
+            with pytest.raises(ConfigError, match=r"target.ep_size: ep_size = 4 does not divide the target's 6 experts"):
+                load_job(job)
 
 
 def test_tp_producer_without_its_group_variables_says_so(assets, tmp_path):
