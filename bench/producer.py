@@ -5,8 +5,9 @@
     folder would otherwise shadow the producer package.)
 
 Data: synthetic multi-turn chats tokenized with the ChatML template, packed by the batch plan (2,048 tokens a
-batch, max length 512, ~10 sequences a batch). Every target is random, fp32, sdpa, built from transformers'
-config classes. Variants alternate over the same batches, `--repeats` times; each batch's fastest run counts
+batch, max length 512, sequences of similar length grouped: ~6 a batch of 200-420 tokens each). Every target
+is random, fp32, built from transformers' config classes; the capture runs the CPU default attention
+(`packed_sdpa`, producer/packed_attention.py: sdpa per packed sequence), the naive full model plain sdpa. Variants alternate over the same batches, `--repeats` times; each batch's fastest run counts
 (a shared machine only adds noise upward). What is timed is one call per batch, features included, by wall
 time (tokens/s and the plain ratios) and by the process's CPU time over its threads (the `_cpu` ratios). On
 an oversubscribed machine the wall ratios favour the variant with fewer, larger operations (every operation
@@ -21,12 +22,15 @@ work itself costs. `--threads 1` gives figures that other tenants of the machine
   FLOPs of the model they stand for: ~8% at this shape, as in Qwen3-8B.
 - `toy_ratio_capture_over_naive`: the same on the toy shape (8 layers, hidden 256, vocabulary 16,384, layers
   [1..5]): its LM head is ~40% of the FLOPs, 5x a real model's share, so this ratio flatters the truncation.
-- `packed_over_per_sequence` (toy shape): one packed forward vs the capture run once per sequence. The packed
-  forward's sdpa takes a dense [T, T] mask on the CPU, so its attention does all T² pairs where the loop
-  does Σ L²: on CPU time it can lose.
-- `hybrid_packed_over_per_sequence`: a Qwen3.5-style hybrid (6 Gated DeltaNet + 2 full-attention layers):
-  the packed capture (linear-attention layers as padded batches) vs the per-sequence fallback
-  (TargetCapture.forward_per_sequence), tokens/s over tokens/s on the same batches.
+- `packed_over_per_sequence` (toy shape): tokens/s of one packed forward (`cap(input_ids, cu_seqlens)`:
+  projections and MLPs over all T tokens at once, attention per sequence, Σ L²) over tokens/s of the same
+  capture run once per sequence (`cap.forward_per_sequence`, the fallback), on the same batches, features
+  included in both. (Before the packed attention, the packed forward's sdpa took a dense [T, T] mask and
+  did all T² pairs: 0.51 at --threads 1.)
+- `hybrid_packed_over_per_sequence`: the same two calls on a Qwen3.5-style hybrid (6 Gated DeltaNet + 2
+  full-attention layers, 6 of them run): in the packed forward the linear-attention layers run as
+  right-padded batches of similar-length sequences (transformers' torch fallback of the Gated DeltaNet takes
+  no sequence bounds), the attention layers as above.
 - `sliding_packed_maxdiff`: a Mistral-style target whose sliding window (64) is shorter than most sequences:
   the largest |packed feature - the same sequence run alone by the full model| over the timed batches (fp32;
   must stay <= 1e-5).
@@ -227,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     seqs = sum(len(b.cu_seqlens) - 1 for b in timed)
     result = {
-        "target": "qwen3 L36 h128 i384 heads 4/1x32 vocab4736 (Qwen3-8B proportions at 1/32 width), fp32 sdpa",
+        "target": "qwen3 L36 h128 i384 heads 4/1x32 vocab4736 (Qwen3-8B proportions at 1/32 width), fp32",
+        "capture_attn_implementation": real["cap"].attn_implementation,
         "layer_ids": real["cap"].layer_ids,
         "layers_run": real["cap"].layers_run,
         "tokens_per_batch": TOKENS_PER_BATCH,
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         "naive_tokens_per_s": round(real["naive_tps"], 1),
         "ratio_capture_over_naive": round(real["capture_tps"] / real["naive_tps"], 3),
         "ratio_capture_over_naive_cpu": round(real["cpu_ratio"], 3),
-        "toy_target": "qwen3 L8 h256 vocab16384 fp32 sdpa, layers " + str(toy["cap"].layer_ids),
+        "toy_target": "qwen3 L8 h256 vocab16384 fp32, layers " + str(toy["cap"].layer_ids),
         "toy_ratio_capture_over_naive": round(toy["capture_tps"] / toy["naive_tps"], 3),
         "toy_ratio_capture_over_naive_cpu": round(toy["cpu_ratio"], 3),
         "packed_over_per_sequence": round(toy_packing["wall"], 3),

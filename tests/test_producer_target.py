@@ -25,9 +25,11 @@ def full_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
 
 
-def reference(full_model, ids, layer_ids, position_ids=None):
+def reference(full_model, ids, layer_ids, position_ids=None, **kwargs):
     with torch.no_grad():
-        hs = full_model(ids[None], position_ids=position_ids, use_cache=False, output_hidden_states=True).hidden_states
+        hs = full_model(
+            ids[None], position_ids=position_ids, use_cache=False, output_hidden_states=True, **kwargs
+        ).hidden_states
     return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
 
 
@@ -47,10 +49,17 @@ def test_packed_batch_equals_full_model_on_the_same_packed_input(model_dir, full
     cu = torch.tensor([0, 5, 22, 23, 53])
     ids = torch.randint(0, full_model.config.vocab_size, (53,), generator=torch.Generator().manual_seed(1))
     feats = cap(ids, cu)
-    # exact: the full model on the same packed input (transformers' own packed path: restarting positions)
-    assert cap.packing == "position_ids"
+    # exact: the full model on the same packed input (transformers' own packed path: restarting positions,
+    # the sequence bounds for the attention), with the capture's attention implementation
+    assert (cap.packing, cap.attn_implementation) == ("position_ids", "packed_sdpa")
+    same_attention = AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation=cap.attn_implementation
+    ).eval()
     positions = torch.cat([torch.arange(n) for n in lens])[None]
-    assert torch.equal(feats, reference(full_model, ids, cap.layer_ids, positions))
+    bounds = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    assert torch.equal(feats, reference(same_attention, ids, cap.layer_ids, positions, **bounds))
+    # and up to fp32 reduction order, plain sdpa over the dense packed mask
+    torch.testing.assert_close(feats, reference(full_model, ids, cap.layer_ids, positions), rtol=0, atol=1e-5)
     # independent: each sequence alone gives the same features (up to fp32 reduction order)
     for b in range(4):
         s, e = int(cu[b]), int(cu[b + 1])

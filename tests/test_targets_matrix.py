@@ -22,13 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from common.profile import ProfileStats
 from consumer.target_parts import TargetPartsError, load_target_parts
-from producer.target import (
-    PaddedBatchMixer,
-    Segments,
-    TargetLoadError,
-    choose_attn_implementation,
-    load_target,
-)
+from producer import packed_attention
+from producer.capture import PaddedBatchMixer, Segments
+from producer.target import TargetLoadError, choose_attn_implementation, load_target
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [5, 17, 1, 30, 12]  # 30 and 17 > SLIDING_WINDOW: a window leak or a lost window would show
@@ -62,17 +58,42 @@ def max_diff_to_alone(cap, full_model, ids, cu) -> float:
     return max((feats[s:e] - r).abs().max().item() for s, e, r in zip(cu[:-1], cu[1:], refs, strict=True))
 
 
+class AttentionSpy:
+    """Records the query length and mask of every sdpa call the packed CPU attention makes."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        self.calls.append((query.shape[2], attention_mask))
+        return self.real(module, query, key, value, attention_mask, *args, **kwargs)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_batch_equals_each_sequence_alone(zoo, arch):
+def test_packed_batch_equals_each_sequence_alone(zoo, arch, monkeypatch):
     full = AutoModelForCausalLM.from_pretrained(zoo[arch], local_files_only=True, dtype=torch.float32).eval()
-    n = full.config.get_text_config().num_hidden_layers
+    text = full.config.get_text_config()
+    n = text.num_hidden_layers
     every = list(range(n))  # every layer, the last (final-normed) one included
     cap = load_target(zoo[arch], layer_ids=every, dtype="float32")
     assert cap.packed, cap.per_sequence_reason
     assert cap.layers_run == n and cap.feature_width == n * 64
+    spy = AttentionSpy(packed_attention.sdpa_attention_forward)
+    monkeypatch.setattr(packed_attention, "sdpa_attention_forward", spy)
     ids, cu = packed_batch()
     assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
     assert cap.per_sequence_batches == 0
+    if arch == "gpt_oss":  # attention sinks: eager, not sdpa
+        assert cap.attn_implementation == "eager" and not spy.calls
+        return
+    # the CPU default attends per sequence (Σ L², no [T, T] mask): one sdpa call per sequence and attention
+    # layer, each as long as its sequence (the reference model runs plain sdpa, unseen by the spy)
+    assert cap.attn_implementation == packed_attention.NAME
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * n
+    attention_layers = sum(kind != "linear_attention" for kind in kinds)
+    assert [q for q, _ in spy.calls] == LENGTHS * attention_layers
+    windowed = {mask is not None for q, mask in spy.calls if q > SLIDING_WINDOW}
+    assert windowed == ({True, False} if arch == "gemma3_text" else {arch == "mistral_sliding"})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -215,9 +236,11 @@ def test_attention_implementation_choice():
     assert choose_attn_implementation(llama, "auto", "cuda:0") == "flex_attention"  # no dense [T, T] mask
     assert choose_attn_implementation(qwen35, "auto", "cuda") == "sdpa"  # no flex support in transformers
     assert choose_attn_implementation(gpt_oss, "auto", "cuda") == "flex_attention"
-    assert choose_attn_implementation(llama, "auto", "cpu") == "sdpa"
+    assert choose_attn_implementation(llama, "auto", "cpu") == "packed_sdpa"  # sdpa per sequence: Σ L²
+    assert choose_attn_implementation(qwen35, "auto", "cpu") == "packed_sdpa"
     assert choose_attn_implementation(gpt_oss, "auto", "cpu") == "eager"
     assert choose_attn_implementation(llama, "eager", "cuda") == "eager"
+    assert choose_attn_implementation(llama, "sdpa", "cpu") == "sdpa"
     with pytest.raises(TargetLoadError, match=r"GptOssForCausalLM does not support attn_implementation 'sdpa'"):
         choose_attn_implementation(gpt_oss, "sdpa", "cpu")
 
