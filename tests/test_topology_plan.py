@@ -1,12 +1,15 @@
-"""The one-machine layout planned from the job file alone: the worked example (Qwen3.6-27B on 8 GPUs) passes
-launch.sh --dry-run without a GPU and its device map says which process runs where and who feeds whom; the
-telemetry's W&B run is the node, in the group named after the job."""
+"""The one-machine layout planned from the job file alone: the worked example (Qwen3.6-27B on 8 GPUs) and every
+other example (gpt-oss-120b with expert parallelism) pass launch.sh --dry-run without a GPU and the device map says
+which process runs where, which expert slice each rank holds and who feeds whom; the telemetry's W&B run is the
+node, in the group named after the job."""
 
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from common.config import load_job
 from common.launch_plan import device_map, plan
@@ -15,6 +18,7 @@ from tests.jobs import tiny_assets, write_job
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "deploy" / "examples" / "qwen36-27b-8gpu.toml"
+MOE_EXAMPLE = ROOT / "deploy" / "examples" / "gpt-oss-120b-8gpu.toml"
 
 
 def test_worked_example_passes_dry_run_and_maps_every_gpu():
@@ -44,6 +48,30 @@ def test_example_settings_are_the_published_ones():
                                                                               (8, 2, ["cuda:6", "cuda:7"])]
     names = [p.name for p in plan(job, str(EXAMPLE), "py")]
     assert len(names) == 9 and names.count("telemetry") == 1
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "deploy" / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_passes_dry_run(example):
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([str(ROOT / "launch.sh"), str(example), "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"device map of job {load_job(example).job.name}, node 0 of 1:" in res.stdout
+
+
+def test_moe_example_shards_the_experts_across_its_tp_group():
+    """gpt-oss-120b: one target replica at TP 4 = EP 4 on cuda:0-3 (32 of the 128 experts whole per rank), four
+    drafter replicas on cuda:4-7; the device map says which expert slice each rank holds."""
+    job = load_job(MOE_EXAMPLE)
+    assert (job.target.tp_size, job.target.ep_size, job.target.replicas) == (4, 4, 1)
+    text = device_map(job)
+    rows = {li.split()[0]: li.split(None, 2)[1:] for li in text.splitlines() if li.startswith("  ")}
+    for k in range(4):
+        dev, what = rows["producer" + (f"-tp{k}" if k else "")]
+        assert dev == f"cuda:{k}" and f"TP rank {k} of 4, EP rank {k} (expert slice {k}: 1/4" in what
+    assert [rows[f"consumer-b16-r{r}"][0] for r in range(4)] == ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]
+    assert "target: 1 replica(s) × TP 4 (EP 4: each rank holds 1/4 of the experts whole) = 4 rank(s)" in text
+    assert "EP" not in device_map(load_job(EXAMPLE))  # a dense target's map says nothing about experts
 
 
 def test_device_map_of_a_second_node_names_its_run(tmp_path):
