@@ -17,9 +17,9 @@ work itself costs. `--threads 1` gives figures that other tenants of the machine
 - `ratio_capture_over_naive` (a real target's shape): a Qwen3 with Qwen3-8B's depth and proportions at 1/32 of
   its width (36 layers, hidden 128, intermediate 3×hidden, 4:1 grouped-query heads, vocabulary 37×hidden as
   4096 → 151,936), captured layers [1, 9, 17, 25, 33]. capture = producer.target (stops after layer 33, no LM
-  head, features written into one buffer); naive = the full model on the same packed batch
-  (output_hidden_states=True and logits, features concatenated). Both shapes keep the LM head's share of the
-  FLOPs of the model they stand for: ~8% at this shape, as in Qwen3-8B.
+  head, features written into one buffer); naive = the full model on the same packed batch with the same
+  attention (output_hidden_states=True and logits, features concatenated). Both shapes keep the LM head's
+  share of the FLOPs of the model they stand for: ~8% at this shape, as in Qwen3-8B.
 - `toy_ratio_capture_over_naive`: the same on the toy shape (8 layers, hidden 256, vocabulary 16,384, layers
   [1..5]): its LM head is ~40% of the FLOPs, 5x a real model's share, so this ratio flatters the truncation.
 - `packed_over_per_sequence` (toy shape): tokens/s of one packed forward (`cap(input_ids, cu_seqlens)`:
@@ -32,8 +32,8 @@ work itself costs. `--threads 1` gives figures that other tenants of the machine
   right-padded batches of similar-length sequences (transformers' torch fallback of the Gated DeltaNet takes
   no sequence bounds), the attention layers as above.
 - `sliding_packed_maxdiff`: a Mistral-style target whose sliding window (64) is shorter than most sequences:
-  the largest |packed feature - the same sequence run alone by the full model| over the timed batches (fp32;
-  must stay <= 1e-5).
+  the largest |packed feature - the same sequence run alone by the full model with plain sdpa| over the
+  timed batches (fp32; must stay <= 1e-5).
 - pipeline (toy shape): background tokenizer (Prefetcher) + capture over the whole plan, as the producer runs
   it; `tokenize_stall_pct` is the share of the wall time the forward waited for a tokenized batch.
 """
@@ -126,23 +126,27 @@ def tokens(batches) -> int:
 
 @torch.inference_mode()
 def naive_forward(layer_ids: list[int], full, b) -> torch.Tensor:
-    """The full model on the packed batch: restarting position ids, transformers' own packed masks."""
-    lengths = torch.diff(b.cu_seqlens.long())
-    positions = torch.cat([torch.arange(int(n)) for n in lengths]).view(1, -1)
-    out = full(b.input_ids.view(1, -1), position_ids=positions, use_cache=False, output_hidden_states=True)
+    """The full model on the packed batch: restarting position ids, transformers' own packed masks, and the
+    sequence bounds for the capture's attention (packed_sdpa), so only the truncation differs."""
+    cu = b.cu_seqlens.long()
+    positions = torch.cat([torch.arange(int(n)) for n in torch.diff(cu)]).view(1, -1)
+    out = full(
+        b.input_ids.view(1, -1), position_ids=positions, use_cache=False, output_hidden_states=True,
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+    )  # fmt: skip
     assert out.logits.shape[-1] == full.config.vocab_size
     return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
 
 
-def load_full(model_dir: Path):
+def load_full(model_dir: Path, attn_implementation: str):
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation
     ).eval()
 
 
 def capture_vs_naive(model_dir: Path, layer_ids, num_features: int, warm, timed, repeats: int) -> dict:
     cap = load_target(model_dir, layer_ids=layer_ids, num_features=num_features, dtype="float32")
-    full = load_full(model_dir)
+    full = load_full(model_dir, cap.attn_implementation)
     variants = {"capture": lambda b: cap(b.input_ids, b.cu_seqlens), "naive": lambda b: naive_forward(cap.layer_ids, full, b)}
     time_variants(variants, warm, 1)
     t = time_variants(variants, timed, repeats)
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         hybrid_packing = packed_vs_per_sequence(hybrid, warm, timed, args.repeats)
         sliding_dir = save_random(sliding_config(len(tok)), Path(tmp) / "sliding")
         sliding = load_target(sliding_dir, num_features=4, dtype="float32")
-        sliding_diff, longer = packed_maxdiff(sliding, load_full(sliding_dir), timed)
+        sliding_diff, longer = packed_maxdiff(sliding, load_full(sliding_dir, "sdpa"), timed)
         pipe_plan = BatchPlan(
             ds.lengths, seed=1, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8
         )
