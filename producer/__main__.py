@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
                              device, job.target.attn_implementation, distributed_config(job.target))
+        if job.target.ep_size > 1:
+            log.info("rank %d: %s", tp.rank, ep_shard(target.model, job.target))
         if tp.rank == 0:
             dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
             if tp_group is not None:
@@ -114,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError) as err:
         log.error("%s", err)
         return 2
-    if job.target.ep_size > 1:
-        log.info("rank %d: %s", tp.rank, ep_shard(target.model) or "no expert weights are sharded")
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", tp.rank, tp.world, device)
         return follow(target, tp_group)

@@ -52,21 +52,26 @@ def distributed_config(target: TargetConfig) -> DistributedConfig | None:
     return DistributedConfig(tp_size=target.tp_size, ep_size=target.ep_size, ep_implementation="all_reduce")
 
 
-def ep_shard(model: torch.nn.Module) -> str | None:
+def ep_shard(model: torch.nn.Module, target: TargetConfig) -> str:
     """The log line that shows expert parallelism took effect on this rank: the first expert weight's local
-    shard against its full shape, and the share of all expert weights held here (None: no sharded experts)."""
+    shard against its full shape, and the share of all expert weights held here. A target.ep_size that left
+    no expert whole on its rank is an error, never a silent fallback to tensor parallelism."""
     local = full = 0
     first = None
     for name, param in model.named_parameters():
-        if ".experts." not in name or not isinstance(param, DTensor):
+        if ".experts." not in name:
             continue
-        if not any(isinstance(p, Shard) and p.dim == 0 for p in param.placements):
-            return None  # experts sliced by tensor parallelism, not whole experts per rank
+        whole = isinstance(param, DTensor) and any(isinstance(p, Shard) and p.dim == 0 for p in param.placements)
+        if not whole:
+            raise TPSetupError(f"target.ep_size = {target.ep_size}: transformers did not shard {name} by expert"
+                               f" ({type(param).__name__} {tuple(param.shape)}); {target.path}'s expert-parallel"
+                               " plan does not cover it")
         local += param.to_local().numel()
         full += param.numel()
         first = first or f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)}"
     if first is None:
-        return None
+        raise TPSetupError(f"target.ep_size = {target.ep_size}: {target.path} has no expert weights"
+                           " (no parameter under an `experts` module)")
     return f"expert parallel: {first}; {100 * local / full:.1f} % of the expert weights on this rank"
 
 

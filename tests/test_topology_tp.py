@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig
 
-from common.config import ConfigError, load_job
+from common.config import ConfigError, TargetConfig, load_job
 from common.launch_plan import plan
 from tests.jobs import tiny_assets, write_job
 from tests.target_zoo import build_target
@@ -146,6 +146,23 @@ def test_ep_size_must_divide_the_experts(assets, tmp_path):
         else:
             with pytest.raises(ConfigError, match=r"target.ep_size: ep_size = 4 does not divide the target's 6 experts"):
                 load_job(job)
+
+
+@pytest.mark.parametrize(("arch", "message"), [
+    ("qwen3_moe", r"target.ep_size = 2: transformers did not shard layers.0.mlp.experts.gate_up_proj by expert"
+                  r" \(Parameter \(4, 64, 64\)\)"),
+    ("qwen3", "target.ep_size = 2: .* has no expert weights"),
+])
+def test_ep_that_shards_no_expert_is_an_error_not_a_fallback(tmp_path, arch, message):
+    """A rank whose experts are not split whole (here: loaded without a DistributedConfig) refuses to start."""
+    from producer.target import load_target
+    from producer.tp import TPSetupError, ep_shard
+
+    path = build_target(arch, tmp_path / arch, num_layers=2)
+    target = load_target(path, num_features=2, dtype="float32")
+    cfg = TargetConfig(path=str(path), tp_size=2, ep_size=2)
+    with pytest.raises(TPSetupError, match=message):
+        ep_shard(target.model, cfg)
 
 
 def test_tp_producer_without_its_group_variables_says_so(assets, tmp_path):
