@@ -25,7 +25,11 @@ Variants, all on the same batches (the plan's first --warmup batches are run but
   (e) serial_same_cores  the same loop given what the pipeline gets, both cores: the faster (per
                       repetition) of two torch threads and of one thread free to run on either core
                       (on small shapes or a loaded VM a second thread often costs more than it gives).
-(a), (b), (d), (e) run in one worker (bench.pipeline_stages); (c) runs in long-lived pinned entry workers
+  (f) co_run          (a) on P and (b) on C at the same time, in two processes that never communicate,
+                      each round and round over the same batches for about as long as the slower of
+                      (a) and (b) took: what each stage's rate becomes when the other core works too
+                      (shared caches and memory bandwidth, the host's placement of the two vCPUs).
+(a), (b), (d), (e) run in one worker (bench.pipeline_stages), (f) in it and a second one; (c) runs in long-lived pinned entry workers
 (bench.entry_worker), one per role, started once with it, so no run pays interpreter start-up. Each
 (c) run times every process on its own stats snapshots, over the same batches as (a), (b), (d); the
 slowest process's rate is the pipeline's (bench.pipeline_procs). Repetitions are interleaved (stages,
@@ -38,7 +42,10 @@ it shows what the second core buys, not what the split into processes buys); fan
 same data, heavy_target setting (target ≤ 1.1), with the producer on P and BOTH consumers on C: three
 processes on two cores, each drafter gets half of C, which still out-runs the target on P, so the ratio
 shows whether one target forward serves both drafters at no extra cost.
-Diagnostics: stage rates per CPU-second (the rate with a core to itself), and per pipeline run the
+Diagnostics: pipeline_efficiency_vs_co_run = (c) ÷ min((f) producer, (f) consumer): the pipeline against
+its stages run at the same time instead of alone, so what the machine takes from two busy cores is not
+counted against the pipeline (the issue's pipeline_efficiency keeps its definition); co_run_slowdown_producer
+and _consumer = (a) ÷ (f) producer, (b) ÷ (f) consumer. Stage rates per CPU-second (the rate with a core to itself), and per pipeline run the
 CPU share each side got, the waits, and `other_load_cores`: the CPU the rest of the machine used
 meanwhile. On a shared machine that load lands on our cores at any time; the pipeline, which needs
 both cores, suffers from it more than a one-core stage does.
@@ -165,6 +172,14 @@ def summarise(
         # the same tokens in both windows: the time ratio is the inverse rate ratio
         "fanout_2_drafters_cost": rate["heavy_pipeline_1_drafter"] / rate["heavy_pipeline_2_drafters"],
     }
+    co_run = min(rate["co_run_producer"], rate["co_run_consumer"])
+    diagnostics = {
+        # the issue's pipeline_efficiency set against the stages run at the same time instead of alone
+        "pipeline_efficiency_vs_co_run": rate["pipeline"] / co_run,
+        # what running at the same time costs each stage, with no communication (the machine's share)
+        "co_run_slowdown_producer": rate["producer_alone"] / rate["co_run_producer"],
+        "co_run_slowdown_consumer": rate["consumer_alone"] / rate["co_run_consumer"],
+    }
     cpu_rate = medians([r["cpu_tokens_per_s"] for r in stages])
     for name, reps in runs.items():  # each process alone on its core, never waiting: the CPU-time bound
         cpu_rate[name] = statistics.median(
@@ -189,6 +204,7 @@ def summarise(
             for k, (op, bound) in TARGETS.items()
         },
         "targets": {k: f"{op} {bound}" for k, (op, bound) in TARGETS.items()},
+        **{k: round(v, 3) for k, v in diagnostics.items()},
         "tokens_per_s": {k: round(v, 1) for k, v in rate.items()},
         "per_rep_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in per_rep.items()},
         "cpu_time_view": {
@@ -199,12 +215,16 @@ def summarise(
             "pipeline_efficiency": round(
                 cpu_rate["pipeline"] / min(cpu_rate["producer_alone"], cpu_rate["consumer_alone"]), 3
             ),
+            "pipeline_efficiency_vs_co_run": round(
+                cpu_rate["pipeline"] / min(cpu_rate["co_run_producer"], cpu_rate["co_run_consumer"]), 3
+            ),
             "speedup_over_serial_one_core": round(cpu_rate["pipeline"] / cpu_rate["serial"], 3),
             "fanout_2_drafters_cost": round(
                 cpu_rate["heavy_pipeline_1_drafter"] / cpu_rate["heavy_pipeline_2_drafters"], 3
             ),
         },
         "stage_other_load_cores": round(statistics.median(r["other_load_cores"] for r in stages), 2),
+        "co_run_other_load_cores": round(statistics.median(r["co_run_other_load_cores"] for r in stages), 2),
         # drafter tokens/s over target tokens/s, alone on one core (CPU time: the other tenants' load removed)
         "target_over_drafter_cost": {
             "balanced": round(cpu_rate["consumer_alone"] / cpu_rate["producer_alone"], 2),
@@ -233,6 +253,23 @@ def summarise(
             " drafter_side (both consumers share it in the 2-drafter run); serial_2_threads and"
             " serial_1_thread_2_cores: both",
         },
+    }
+
+
+def co_run(workers: dict[str, Worker], alone: dict[str, float], timed_tokens: int) -> dict:
+    """The producer's and the consumer's stage loops at the same time on their two cores, with no
+    communication: what each side's rate becomes when the other core works too (caches, memory bandwidth,
+    the host's placement of the two vCPUs). Each runs about as long as the slower stage alone took."""
+    seconds = max(2.0, timed_tokens / min(alone["producer_alone"], alone["consumer_alone"]))
+    start_at = time.monotonic() + 0.5  # both loops start at this instant (CLOCK_MONOTONIC is system-wide)
+    load = LoadMeter(workers.values())
+    sides = {"co_run_producer": ("stages", "producer_alone"), "co_run_consumer": ("co_run", "consumer_alone")}
+    for who, variant in sides.values():
+        workers[who].send({"co_run": variant, "start_at": start_at, "seconds": seconds, "hold_s": 1.0})
+    got = {name: workers[who].request(None) for name, (who, _) in sides.items()}
+    return {
+        "co_run_other_load_cores": load.stop(),
+        **{view: {name: g[view] for name, g in got.items()} for view in ("tokens_per_s", "cpu_tokens_per_s")},
     }
 
 
@@ -284,10 +321,18 @@ def main(argv: list[str] | None = None) -> dict:
     stages: list[dict] = []
     try:
         ready = {name: w.request(None) for name, w in workers.items()}["stages"]
+        # the co-run's consumer side: a second stage process, started once the first has built the assets
+        partner = [*stage_args[:1], "--assets-built", *stage_args[1:-len(stage_jobs)], f"balanced={stage_jobs['balanced']}"]
+        workers["co_run"] = Worker("co_run", partner, workdir / "co_run.log")
+        workers["co_run"].request(None)
         order = list(RUNS)
         for rep in range(reps):
             load = LoadMeter(workers.values())
             stages.append(workers["stages"].request({"rep": rep}) | {"other_load_cores": load.stop()})
+            both = co_run(workers, stages[-1]["tokens_per_s"], ready["timed_tokens"])
+            for view in ("tokens_per_s", "cpu_tokens_per_s"):
+                stages[-1][view] |= both.pop(view)
+            stages[-1] |= both
             for name in order[rep % len(order) :] + order[: rep % len(order)]:
                 setting, drafters = RUNS[name]
                 run_dir = workdir / f"r{rep}-{setting[0]}{drafters}"
@@ -323,6 +368,8 @@ def print_table(r: dict) -> None:
         print(f"{name:>26}: {rate:8.1f} tok/s   per rep {r['per_rep_tokens_per_s'][name]}")
     for key, bound in r["targets"].items():
         print(f"{key:>26}: {r[key]:.3f}  (target {bound}: {'met' if r['targets_met'][key] else 'MISSED'})")
+    for key in ("pipeline_efficiency_vs_co_run", "co_run_slowdown_producer", "co_run_slowdown_consumer"):
+        print(f"{key:>30}: {r[key]:.3f}  (diagnostic)")
     print(f"target cost / drafter cost per token {r['target_over_drafter_cost']}; {r['wall_s']} s")
 
 

@@ -17,6 +17,9 @@ Per repetition, each variant runs over batches W.. of the plan, in an order rota
   serial_1_thread_2_cores   the same loop on cores P and C with one thread (the OS picks the idler core;
                         on small shapes or a loaded VM one thread beats two: bench.pipeline takes the faster)
   heavy_producer_alone, heavy_consumer_alone   the same for the heavy_target setting
+A {"co_run": VARIANT, "start_at": T, "seconds": S, "hold_s": H} line runs one variant round and round from
+monotonic time T, while a partner process (started with --assets-built) runs another on the other core:
+bench.pipeline's co-run, the two stages at the same time with no communication between them.
 Wall time (perf_counter) gives tokens_per_s; process CPU time gives cpu_tokens_per_s, the rate with a
 core to itself, to tell the stage's cost from the other tenants' load.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -151,13 +155,38 @@ def time_variant(run: Callable[[int], object], ks: range, cores: set[int], threa
         torch.set_num_threads(1)
 
 
+def co_run(run: Callable[[int], object], ks: range, tokens: list[int], cores: set[int], threads: int,
+           start_at: float, seconds: float, hold_s: float) -> dict[str, float]:
+    """Batches `ks` round and round from monotonic time `start_at` (the partner process starts its own loop at
+    the same instant on the other core): the rate over the batches that end within `seconds`, then more
+    batches, untimed, until `seconds + hold_s`, so the partner's last timed batch still runs against load."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+    try:
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        wall, cpu, done, cpu_done, tok = time.monotonic(), time.process_time(), 0.0, 0.0, 0
+        for k in itertools.cycle(ks):
+            run(k)
+            now = time.monotonic()
+            if now - wall <= seconds:
+                done, cpu_done, tok = now - wall, time.process_time() - cpu, tok + tokens[k]
+            elif now - wall > seconds + hold_s:
+                break
+        if tok == 0:
+            raise SystemExit(f"bench.pipeline_stages: no batch finished within the co-run's {seconds:.1f} s")
+        return {"tokens_per_s": tok / done, "cpu_tokens_per_s": tok / cpu_done}
+    finally:
+        torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--assets", type=Path, required=True)
     p.add_argument("--chats", type=int, required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--cores", required=True, help="P,C: the target-side and drafter-side cpu ids")
-    p.add_argument("jobs", nargs="+", help="NAME=JOB.toml for 'balanced' and 'heavy_target'")
+    p.add_argument("--assets-built", action="store_true", help="the assets exist (a co-run partner's start)")
+    p.add_argument("jobs", nargs="+", help="NAME=JOB.toml for 'balanced' and 'heavy_target' (a partner: 'balanced')")
     args = p.parse_args(argv)
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything a library prints goes to stderr
@@ -168,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     both = {core_p, core_c}
     where = {"P": ({core_p}, 1), "C": ({core_c}, 1), "PC1": (both, 1), "PC2": (both, len(both))}
     jobs = {name: load_job(path) for name, path in (j.split("=", 1) for j in args.jobs)}
-    build_assets(args.assets, args.chats)
+    if not args.assets_built:
+        build_assets(args.assets, args.chats)
     settings = {name: JobStages.load(job) for name, job in jobs.items()}
     variants = {}
     for name, s in settings.items():
@@ -191,10 +221,16 @@ def main(argv: list[str] | None = None) -> None:
     tokens = sum(settings["balanced"].batches[k].num_tokens for k in timed)
     answer(protocol, {"ready": True, "batches": n, "timed_tokens": tokens})
     names = list(variants)
+    token_counts = [b.num_tokens for b in settings["balanced"].batches]
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("quit"):
             break
+        if "co_run" in request:
+            run, place = variants[request["co_run"]]
+            answer(protocol, co_run(run, timed, token_counts, *where[place], request["start_at"],
+                                    request["seconds"], request["hold_s"]))
+            continue
         rep = int(request["rep"])
         times = {}
         for name in names[rep % len(names) :] + names[: rep % len(names)]:

@@ -49,6 +49,34 @@ def test_pipeline_serial_baseline_on_both_cores_is_the_faster_thread_count():
         == "serial_2_threads"
 
 
+def _pipeline_run(rate: float) -> dict:
+    detail = {k: 1.0 for k in ("window_tokens", "consumer_wait_batch_pct", "producer_wait_slot_pct",
+                               "producer_forward_tokens_per_s", "consumer_train_tokens_per_s",
+                               "target_core_busy_pct", "drafter_core_busy_pct", "other_load_cores")}
+    return detail | {"tokens_per_s": rate, "producer_cpu_tokens_per_s": 2 * rate,
+                     "drafter_core_cpu_tokens_per_s": 3 * rate, "limited_by": "producer", "affinity": {}}
+
+
+def test_pipeline_summary_sets_the_pipeline_against_its_stages_alone_and_co_run():
+    rates = {"producer_alone": 1000.0, "consumer_alone": 1200.0, "serial": 500.0, "serial_2_threads": 700.0,
+             "serial_1_thread_2_cores": 600.0, "heavy_producer_alone": 300.0, "heavy_consumer_alone": 900.0,
+             "co_run_producer": 800.0, "co_run_consumer": 1100.0}
+    stages = [{"tokens_per_s": dict(rates), "cpu_tokens_per_s": {k: 2 * v for k, v in rates.items()},
+               "other_load_cores": 0.1, "co_run_other_load_cores": 0.2} for _ in range(3)]
+    runs = {"pipeline": [_pipeline_run(r) for r in (700.0, 720.0, 2000.0)],  # the median, not the mean
+            "heavy_pipeline_1_drafter": [_pipeline_run(280.0)] * 3,
+            "heavy_pipeline_2_drafters": [_pipeline_run(250.0)] * 3}
+    r = pipeline.summarise(stages, runs, (0, 1), [0, 1])
+    assert r["tokens_per_s"]["pipeline"] == 720.0
+    assert r["pipeline_efficiency"] == 0.72  # 720 / min(1000, 1200): the definition, kept
+    assert r["pipeline_efficiency_vs_co_run"] == 0.9  # 720 / min(800, 1100)
+    assert r["co_run_slowdown_producer"] == 1.25 and r["co_run_slowdown_consumer"] == round(1200 / 1100, 3)
+    assert r["speedup_over_serial_same_cores"] == round(720 / 700, 3)  # the faster of the two serial loops
+    assert r["fanout_2_drafters_cost"] == 1.12 and r["targets_met"]["fanout_2_drafters_cost"] is False
+    assert r["co_run_other_load_cores"] == 0.2
+    assert r["cpu_time_view"]["pipeline_efficiency_vs_co_run"] == round(1440 / 1600, 3)
+
+
 def test_scaleout_reads_the_steady_profile_lines(tmp_path):
     lines = [
         "12:00:00 producer INFO prof 5.0s | forward 10×100.00ms (max 120.00) 90.0% | tokens=100/s",  # start-up
