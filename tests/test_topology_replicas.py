@@ -2,10 +2,12 @@
 every producer (fan-in), each producer deals its batches among a drafter's live replicas, and exactly-once
 accounting (common/accounting_check.py) holds through a SIGKILLed consumer, a SIGTERM and the reruns."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,17 @@ def accounting_ok(run: Path, drafters: int) -> str:
     return check.stdout
 
 
+def cursor_records(run: Path) -> dict[str, list[dict]]:
+    """Every checkpoint record of the job log, per drafter: the group cursor each checkpoint carried."""
+    out: dict[str, list[dict]] = {}
+    for path in (run / "accounting").glob("consumer-*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.endswith("}") else {}
+            if rec.get("kind") == "checkpoint":
+                out.setdefault(rec["drafter"], []).append(rec)
+    return out
+
+
 def delivered_by(run: Path) -> dict[str, int]:
     """Batches each producer's log says it made ("producer done (...): N batches")."""
     out = {}
@@ -115,6 +128,12 @@ def test_two_producers_two_drafters_survive_a_sigkilled_consumer_and_a_sigterm(a
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     accounting_ok(run, 2)
+    # one cursor per producer; above it only what was in flight from that producer (slots × the drafter's
+    # replicas at most), in every checkpoint through the kill and the reruns
+    records, slots = cursor_records(run), tomllib.loads(job.read_text())["transport"]["slots"]
+    for drafter, replicas in (("a", 1), ("b", 2)):
+        assert records[drafter] and all(r["producers"] == 2 and len(r["cursors"]) == 2 for r in records[drafter])
+        assert max(len(a) for r in records[drafter] for a in r["trained_above"]) <= slots * replicas, records[drafter]
     b_logs = log_text(run, "consumer-b-r0") + log_text(run, "consumer-b-r1")
     assert b_logs.count("b_r0 step ") > 0 and b_logs.count("b_r1 step ") > 0
 
