@@ -42,6 +42,7 @@ import transformers
 
 from bench.pipeline import TARGET_SHAPE
 from common.config import JobConfig, load_job
+from common.host_memory import keep_freed_memory
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(2, 1)  # anything a library prints goes to stderr
     sys.stdout = sys.stderr
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the producer and consumer processes do on the CPU
     transformers.logging.set_verbosity_error()
     core_p, core_c = (int(c) for c in args.cores.split(","))
     both = {core_p, core_c}

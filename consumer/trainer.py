@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from common.config import DrafterConfig
+from common.host_memory import keep_freed_memory
 from consumer.distributed import GroupError
 from consumer.kernels import weighted_ce
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
@@ -74,6 +75,8 @@ class Trainer:
     ):
         self.cfg = cfg
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step's activations reuse the last step's pages (common/host_memory.py)
         self.prof = prof
         self.target_layer_ids = list(target_layer_ids)
         self.seed = cfg.seed if cfg.seed is not None else job_seed

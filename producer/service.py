@@ -19,6 +19,7 @@ import torch
 from common.accounting import DeliveryLedger
 from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig, required_slot_bytes
+from common.host_memory import keep_freed_memory
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
 from common.ring import DTYPES, SEQ_TAG, SlotRing, TensorSpec, layout_to_wire, plan_layout
@@ -94,6 +95,8 @@ class ProducerService:
         self.stats = stats
         self.ledger = ledger
         self.counters = ProducerCounters()
+        if job.transport_kind == "cpu":
+            keep_freed_memory()  # each forward's activations reuse the last forward's pages (common/host_memory.py)
         self.feature_dtype = str(target.dtype).removeprefix("torch.")
         assert self.feature_dtype in DTYPES
         slot_bytes = job.transport.slot_bytes or required_slot_bytes(
