@@ -318,7 +318,7 @@ class TargetCapture:
             kw = dict(config=self.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions)
             mask = {kind: MASK_BUILDERS[kind](**kw) for kind in set(self.config.layer_types)}
         varlen = {}  # the sequence bounds, for the attention that runs per sequence (producer/packed_attention.py)
-        if self.attn_implementation == packed_attention.NAME and cu_seqlens is not None:
+        if self.attn_implementation in packed_attention.NAMES and cu_seqlens is not None:
             varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
         self._out, self.segments = out, segments
         try:

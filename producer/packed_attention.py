@@ -16,21 +16,26 @@ only the attention itself runs per sequence. Two pieces:
 Exact by construction: a sequence's attention sees exactly its own block of the mask the model asked for,
 and a per-sequence forward runs the same sdpa call on the same block. Anything else (a dense or 2D mask, a
 cache, no mask) goes to sdpa unchanged. Models without sdpa support (gpt-oss: attention sinks) cannot use
-it: transformers refuses the name for them as it refuses "sdpa".
+it (transformers refuses the name for them as it refuses "sdpa"); for them "packed_eager" does the same
+with the model's own eager attention function per sequence.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
 NAME = "packed_sdpa"
+EAGER_NAME = "packed_eager"  # the same with the model's own eager attention, for models without sdpa
+NAMES = (NAME, EAGER_NAME)
 CAUSAL_CHECK_ROWS = 1024  # rows of a block evaluated at a time while checking it is plain causal
 
 
@@ -78,17 +83,33 @@ def segment_mask(
     attention_mask: torch.Tensor | None = None,
     use_vmap: bool = False,
     device: torch.device | str = "cpu",
+    *,
+    dense: Callable,
     **kwargs,
 ) -> SegmentMask | torch.Tensor | None:
-    """The mask builder registered under NAME: a SegmentMask for a packed batch [1, T] with no cache and no 2D
-    mask; anything else is sdpa's own mask, so it runs as sdpa."""
+    """The mask builder registered for both names: a SegmentMask for a packed batch [1, T] with no cache and no
+    2D mask; anything else is the `dense` builder's own mask (sdpa's or eager's), so it runs as those do."""
     if batch_size != 1 or q_length != kv_length or q_offset != 0 or kv_offset != 0 or attention_mask is not None:
-        return sdpa_mask(
+        return dense(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, use_vmap=use_vmap,
             device=device, **kwargs,
         )  # fmt: skip
     return SegmentMask(mask_function, torch.device(device), use_vmap, q_length)
+
+
+def sequence_bounds(name: str, query, key, mask: SegmentMask, cu_q, cu_k) -> list[tuple[int, int]]:
+    """(start, end) of every packed sequence; the whole batch as one when no bounds were passed."""
+    total = mask.length
+    bounds = [0, total] if cu_q is None else cu_q.tolist()
+    if query.shape[2] != total or key.shape[2] != total or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(
+            f"{name}: query {tuple(query.shape)} / key {tuple(key.shape)} with cu_seq_lens_q {bounds} do not match"
+            f" the packed mask's {total} tokens"
+        )
+    if cu_k is not None and cu_k.tolist() != bounds:
+        raise ValueError(f"{name}: cu_seq_lens_k {cu_k.tolist()} differs from cu_seq_lens_q {bounds}")
+    return list(itertools.pairwise(bounds))
 
 
 def packed_sdpa_attention(
@@ -107,24 +128,49 @@ def packed_sdpa_attention(
     """query/key/value [1, heads, T, D] → [1, T, heads, D]: sdpa per sequence of `cu_seq_lens_q` (module docstring)."""
     if not isinstance(attention_mask, SegmentMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    total = attention_mask.length
-    bounds = [0, total] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
-    if query.shape[2] != total or key.shape[2] != total or bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(
-            f"{NAME}: query {tuple(query.shape)} / key {tuple(key.shape)} with cu_seq_lens_q {bounds} do not match"
-            f" the packed mask's {total} tokens"
-        )
-    if cu_seq_lens_k is not None and cu_seq_lens_k.tolist() != bounds:
-        raise ValueError(f"{NAME}: cu_seq_lens_k {cu_seq_lens_k.tolist()} differs from cu_seq_lens_q {bounds}")
     out = [
         sdpa_attention_forward(
             module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attention_mask.block(s, e), dropout,
             scaling, is_causal, **kwargs,
         )[0]
-        for s, e in itertools.pairwise(bounds)
+        for s, e in sequence_bounds(NAME, query, key, attention_mask, cu_seq_lens_q, cu_seq_lens_k)
     ]  # fmt: skip
     return (out[0] if len(out) == 1 else torch.cat(out, dim=1)), None
 
 
+def model_eager_attention(model_cls: type) -> Callable | None:
+    """The model's own eager attention (`eager_attention_forward` of its modeling module), if it has one."""
+    return getattr(sys.modules[model_cls.__module__], "eager_attention_forward", None)
+
+
+def packed_eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: SegmentMask | torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """As packed_sdpa_attention with the model's own eager attention per sequence, for models without sdpa
+    (gpt-oss: its attention sinks live in its eager code). Eager adds a float mask: 0 kept, dtype min not."""
+    eager = model_eager_attention(type(module))
+    if eager is None:
+        raise ValueError(f"{EAGER_NAME}: {type(module).__module__} has no eager_attention_forward")
+    if not isinstance(attention_mask, SegmentMask):
+        return eager(module, query, key, value, attention_mask, **kwargs)
+    out = []
+    for s, e in sequence_bounds(EAGER_NAME, query, key, attention_mask, cu_seq_lens_q, cu_seq_lens_k):
+        block = attention_mask.block(s, e)
+        if block is None:
+            block = torch.ones(e - s, e - s, dtype=torch.bool, device=query.device).tril()[None, None]
+        additive = torch.where(block, query.new_zeros(()), torch.finfo(query.dtype).min)
+        out.append(eager(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], additive, **kwargs)[0])
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=1)), None
+
+
 AttentionInterface.register(NAME, packed_sdpa_attention)
-AttentionMaskInterface.register(NAME, segment_mask)
+AttentionInterface.register(EAGER_NAME, packed_eager_attention)
+AttentionMaskInterface.register(NAME, functools.partial(segment_mask, dense=sdpa_mask))
+AttentionMaskInterface.register(EAGER_NAME, functools.partial(segment_mask, dense=eager_mask))

@@ -12,8 +12,9 @@ hidden_states[N] is normed).
 
 Attention implementation ("auto"): on CUDA flex_attention where the model supports it (the packed mask becomes
 a block mask: no dense [T, T] tensor), else sdpa; on the CPU "packed_sdpa" where the model supports sdpa
-(producer/packed_attention.py: sdpa per packed sequence, Σ L² work, no [T, T] mask), else eager (gpt-oss: its
-attention sinks are implemented in eager and flex only).
+(producer/packed_attention.py: sdpa per packed sequence, Σ L² work, no [T, T] mask), else "packed_eager" (the
+model's own eager attention per sequence: gpt-oss, whose attention sinks are implemented in eager and flex
+only), else eager.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ ATTN_FLAGS = (
     ("flex_attention", "_supports_flex_attn"),
     (packed_attention.NAME, "_supports_sdpa"),  # sdpa per sequence
     ("sdpa", "_supports_sdpa"),
+    (packed_attention.EAGER_NAME, None),  # the model's eager per sequence, where its module has one
     ("eager", None),
 )
-AUTO_ORDER = {"cuda": ("flex_attention", "sdpa", "eager"), "cpu": (packed_attention.NAME, "sdpa", "eager")}
+AUTO_ORDER = {
+    "cuda": ("flex_attention", "sdpa", "eager"),
+    "cpu": (packed_attention.NAME, packed_attention.EAGER_NAME, "eager"),
+}
 
 __all__ = ["DTYPES", "TargetCapture", "TargetLoadError", "choose_attn_implementation", "load_target"]
 
@@ -55,6 +60,8 @@ class TargetLoadError(RuntimeError):
 def choose_attn_implementation(model_cls: type, requested: str, device: str) -> str:
     """The attention implementation to load `model_cls` with ("auto": see the module docstring)."""
     supported = [impl for impl, flag in ATTN_FLAGS if flag is None or getattr(model_cls, flag, False)]
+    if packed_attention.model_eager_attention(model_cls) is None:
+        supported.remove(packed_attention.EAGER_NAME)
     if requested == "auto":
         order = AUTO_ORDER["cuda" if device.startswith("cuda") else "cpu"]
         return next(impl for impl in order if impl in supported)

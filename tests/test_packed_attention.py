@@ -99,3 +99,28 @@ def test_anything_but_a_segment_mask_is_plain_sdpa_and_bad_bounds_are_named():
         packed_sdpa_attention(
             module, q, k, v, segments, cu_seq_lens_q=torch.tensor([0, 4, 10]), cu_seq_lens_k=torch.tensor([0, 5, 10])
         )
+
+
+def test_packed_eager_keeps_attention_sinks_and_equals_eager_over_the_dense_mask():
+    """gpt-oss's own eager attention (sinks: a learned per-head logit in every softmax), once per sequence."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    cfg = GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW)
+    cfg._attn_implementation = packed_attention.EAGER_NAME
+    torch.manual_seed(0)
+    module = modeling_gpt_oss.GptOssAttention(cfg, layer_idx=0).eval()
+    nn.init.normal_(module.sinks, std=2.0)  # sinks that matter
+    total = sum(LENGTHS)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, total, 8, generator=gen)
+    k, v = torch.randn(2, 1, 2, total, 8, generator=gen)
+    cu = bounds(LENGTHS)
+    segments = build_mask(packed_attention.EAGER_NAME)
+    assert isinstance(segments, SegmentMask)
+    out, _ = packed_attention.packed_eager_attention(module, q, k, v, segments, scaling=8**-0.5, cu_seq_lens_q=cu)
+    dense = build_mask("eager")  # float: 0 kept, dtype min dropped
+    ref, _ = modeling_gpt_oss.eager_attention_forward(module, q, k, v, dense, scaling=8**-0.5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    no_sinks, _ = packed_sdpa_attention(module, q, k, v, build_mask(packed_attention.NAME), scaling=8**-0.5, cu_seq_lens_q=cu)
+    assert (out - no_sinks).abs().max() > 1e-2  # the sinks changed the result: sdpa would have dropped them

@@ -59,14 +59,29 @@ def max_diff_to_alone(cap, full_model, ids, cu) -> float:
 
 
 class AttentionSpy:
-    """Records the query length and mask of every sdpa call the packed CPU attention makes."""
+    """Records the query length and mask of every call the packed CPU attention makes to sdpa or to the
+    model's own eager attention."""
 
-    def __init__(self, real):
-        self.real, self.calls = real, []
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real_sdpa, real_eager = packed_attention.sdpa_attention_forward, packed_attention.model_eager_attention
+        monkeypatch.setattr(packed_attention, "sdpa_attention_forward", self.wrap(real_sdpa))
+        monkeypatch.setattr(packed_attention, "model_eager_attention", lambda cls: self.wrap(real_eager(cls)))
 
-    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
-        self.calls.append((query.shape[2], attention_mask))
-        return self.real(module, query, key, value, attention_mask, *args, **kwargs)
+    def wrap(self, real):
+        def call(module, query, key, value, attention_mask, *args, **kwargs):
+            self.calls.append((query.shape[2], attention_mask))
+            return real(module, query, key, value, attention_mask, *args, **kwargs)
+
+        return call
+
+
+def windowed(mask: torch.Tensor | None) -> bool:
+    """True when a [1, 1, L, L] mask (bool: True kept; eager's float: 0 kept) drops something below the diagonal."""
+    if mask is None:  # sdpa's is_causal
+        return False
+    dropped = ~mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] < 0
+    return bool(dropped.tril().any())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -78,22 +93,19 @@ def test_packed_batch_equals_each_sequence_alone(zoo, arch, monkeypatch):
     cap = load_target(zoo[arch], layer_ids=every, dtype="float32")
     assert cap.packed, cap.per_sequence_reason
     assert cap.layers_run == n and cap.feature_width == n * 64
-    spy = AttentionSpy(packed_attention.sdpa_attention_forward)
-    monkeypatch.setattr(packed_attention, "sdpa_attention_forward", spy)
+    spy = AttentionSpy(monkeypatch)
     ids, cu = packed_batch()
     assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
     assert cap.per_sequence_batches == 0
-    if arch == "gpt_oss":  # attention sinks: eager, not sdpa
-        assert cap.attn_implementation == "eager" and not spy.calls
-        return
-    # the CPU default attends per sequence (Σ L², no [T, T] mask): one sdpa call per sequence and attention
-    # layer, each as long as its sequence (the reference model runs plain sdpa, unseen by the spy)
-    assert cap.attn_implementation == packed_attention.NAME
+    # the CPU default attends per sequence (Σ L², no [T, T] mask): one call per sequence and attention layer,
+    # each as long as its sequence (the reference model runs plain sdpa or eager, unseen by the spy); gpt-oss
+    # (attention sinks, no sdpa) through its own eager attention
+    assert cap.attn_implementation == (packed_attention.EAGER_NAME if arch == "gpt_oss" else packed_attention.NAME)
     kinds = getattr(text, "layer_types", None) or ["full_attention"] * n
     attention_layers = sum(kind != "linear_attention" for kind in kinds)
     assert [q for q, _ in spy.calls] == LENGTHS * attention_layers
-    windowed = {mask is not None for q, mask in spy.calls if q > SLIDING_WINDOW}
-    assert windowed == ({True, False} if arch == "gemma3_text" else {arch == "mistral_sliding"})
+    window = {windowed(mask) for q, mask in spy.calls if q > SLIDING_WINDOW}
+    assert window == ({True, False} if arch in ("gemma3_text", "gpt_oss") else {arch == "mistral_sliding"})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -185,9 +197,16 @@ def test_vision_tower_and_cut_layers_are_never_read(zoo, monkeypatch):
 
 
 def test_attention_sinks_and_hybrid_layers_pack_their_own_way(zoo):
+    # gpt-oss: sdpa is not supported (sinks), and its model does not hand position ids to its mask builders:
+    # with plain eager the masks are built here per layer type; with its eager per sequence (the CPU default)
+    # each sequence's block is all it sees, so the position ids suffice
     gpt_oss = load_target(zoo["gpt_oss"], num_features=2, dtype="float32")
-    # gpt-oss: sdpa is not supported (sinks), and its model does not hand position ids to its mask builders
-    assert (gpt_oss.attn_implementation, gpt_oss.packing) == ("eager", "layer_masks")
+    assert (gpt_oss.attn_implementation, gpt_oss.packing) == ("packed_eager", "position_ids")
+    eager = load_target(zoo["gpt_oss"], num_features=2, dtype="float32", attn_implementation="eager")
+    assert (eager.attn_implementation, eager.packing) == ("eager", "layer_masks")
+    full = AutoModelForCausalLM.from_pretrained(zoo["gpt_oss"], dtype=torch.float32).eval()
+    ids, cu = packed_batch(3)
+    assert max_diff_to_alone(eager, full, ids, cu) <= 1e-5
     hybrid = load_target(zoo["qwen3_next"], num_features=2, dtype="float32")
     assert hybrid.packing == "position_ids"
     wrapped = [m for m in hybrid.model.modules() if isinstance(m, PaddedBatchMixer)]
@@ -238,7 +257,7 @@ def test_attention_implementation_choice():
     assert choose_attn_implementation(gpt_oss, "auto", "cuda") == "flex_attention"
     assert choose_attn_implementation(llama, "auto", "cpu") == "packed_sdpa"  # sdpa per sequence: Σ L²
     assert choose_attn_implementation(qwen35, "auto", "cpu") == "packed_sdpa"
-    assert choose_attn_implementation(gpt_oss, "auto", "cpu") == "eager"
+    assert choose_attn_implementation(gpt_oss, "auto", "cpu") == "packed_eager"  # its own eager per sequence
     assert choose_attn_implementation(llama, "eager", "cuda") == "eager"
     assert choose_attn_implementation(llama, "sdpa", "cpu") == "sdpa"
     with pytest.raises(TargetLoadError, match=r"GptOssForCausalLM does not support attn_implementation 'sdpa'"):
