@@ -409,7 +409,8 @@ def parse_job(doc: dict, source: str = "<job>") -> JobConfig:
 
 
 def _check_tensor_parallel(job: JobConfig, source: str) -> None:
-    """transformers' TP plans split attention by heads (and KV heads) and MLPs by columns: tp_size must divide
+    """transformers' TP plans split attention by heads (and KV heads) and MLPs by columns (a MoE target's
+    experts and shared expert too, unless expert parallelism holds the experts whole): tp_size must divide
     them. Checked when the target's config is on disk (a multimodal wrapper's numbers are in text_config)."""
     tp = job.target.tp_size
     cfg_path = Path(job.target.path) / "config.json"
@@ -420,7 +421,10 @@ def _check_tensor_parallel(job: JobConfig, source: str) -> None:
     except (ValueError, OSError):
         return  # the producer names a broken config.json when it loads the target
     text = cfg.get("text_config") or cfg
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    keys = ["num_attention_heads", "num_key_value_heads", "intermediate_size", "shared_expert_intermediate_size"]
+    if job.target.ep_size == 1:  # without EP, TP slices every expert's MLP too; with EP each rank holds whole ones
+        keys.append("moe_intermediate_size")
+    for key in keys:
         value = text.get(key)
         if isinstance(value, int) and value % tp:
             raise ConfigError(f"{source}: target.tp_size: tp_size = {tp} does not divide the target's {key}"

@@ -3,6 +3,7 @@ TP 1 producer, for a dense and a MoE target, and with expert parallelism (ep_siz
 experts whole) for two MoE families; the launch plan gives each rank torchrun's variables; bad set-ups are refused
 with a message naming the key or the variable."""
 
+import json
 import os
 import re
 import signal
@@ -129,6 +130,23 @@ def test_bad_ep_settings_name_the_key(assets, target_keys, message):
     job.write_text(job.read_text().replace("num_features = 3", f"num_features = 3\n{target_keys}"))
     with pytest.raises(ConfigError, match=message):
         load_job(job)
+
+
+def test_tp_size_must_divide_a_moe_targets_expert_width_unless_ep_holds_experts_whole(assets, tmp_path):
+    """Under plain TP transformers slices every expert's MLP: moe_intermediate_size 6 with tp_size 4 is refused
+    at job load, naming the key; with ep_size = tp_size the experts stay whole and the width is not split."""
+    target = tmp_path / "moe"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 64,
+        "moe_intermediate_size": 6, "num_experts": 8}))
+    job = write_job(assets, drafters=DRAFTER)
+    text = job.read_text().replace(str(assets / "target"), str(target))
+    job.write_text(text.replace("num_features = 3", "num_features = 3\ntp_size = 4"))
+    with pytest.raises(ConfigError, match=r"tp_size = 4 does not divide the target's moe_intermediate_size \(6,"):
+        load_job(job)
+    job.write_text(text.replace("num_features = 3", "num_features = 3\ntp_size = 4\nep_size = 4"))
+    assert load_job(job).target.ep_size == 4
 
 
 def test_ep_size_must_divide_the_experts(assets, tmp_path):
