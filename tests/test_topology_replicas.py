@@ -151,3 +151,28 @@ def test_two_tp2_replicas_through_launch_sh_train_every_sample_once(assets):
     for follower, producer in (("producer-tp1", "producer"), ("producer-p1-tp1", "producer-p1")):
         assert f"rank 0 ended the group after {made[producer]} forwards" in log_text(run, follower)
     assert min(made.values()) > 0
+
+
+def test_a_checkpoint_of_one_producer_resumes_under_two_exactly(assets):
+    """target.replicas changes between runs: the seqs are the node plan's, so the first run's trained seqs
+    are re-dealt to the two producers' cursors and every sample is still trained once."""
+    job = write_job(assets, drafters=ONE, tokens_per_batch=1024, name="regroup")
+    run = job.parent
+    first = launch(job, "--grace", "60")
+    try:
+        wait_for(lambda: steps(run, "consumer-a-r0", "a_r0") >= 4, 300, "drafter a to train 4 steps", first)
+        first.send_signal(signal.SIGTERM)
+        out = finish(first, 180)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 0, out
+    stopped = cursor_records(run)["a"]
+    assert stopped and all(r["producers"] == 1 for r in stopped)
+    job.write_text(job.read_text().replace("num_features = 3", "num_features = 3\nreplicas = 2"))
+    second = launch(job, "--grace", "60")
+    out = finish(second, 600)
+    assert second.returncode == 0, out
+    assert "this run has 2: its trained seqs are re-dealt" in log_text(run, "consumer-a-r0")
+    accounting_ok(run, 1)
+    assert cursor_records(run)["a"][-1]["producers"] == 2 and min(delivered_by(run).values()) > 0
