@@ -31,6 +31,11 @@ work itself costs. `--threads 1` gives figures that other tenants of the machine
   full-attention layers, 6 of them run): in the packed forward the linear-attention layers run as
   right-padded batches of similar-length sequences (transformers' torch fallback of the Gated DeltaNet takes
   no sequence bounds), the attention layers as above.
+- `hybrid_short_packed_over_per_sequence`: the same on the same tokens cut into sequences of SHORT_LENGTH (64)
+  tokens (~32 a batch): the regime where one forward per sequence pays per-call overheads that packing
+  removes. At the plan's 200-420-token sequences a per-sequence forward is already as compute-bound as the
+  packed one on a CPU core (same FLOPs; the bigger packed tensors even miss cache more), so packing gains
+  little there.
 - `sliding_packed_maxdiff`: a Mistral-style target whose sliding window (64) is shorter than most sequences:
   the largest |packed feature - the same sequence run alone by the full model with plain sdpa| over the
   timed batches (fp32; must stay <= 1e-5).
@@ -47,6 +52,7 @@ if __package__ in (None, ""):  # run as a file: its folder (bench/) would shadow
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
+import dataclasses
 import itertools
 import json
 import tempfile
@@ -59,7 +65,7 @@ from transformers import AutoModelForCausalLM
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.data import ChatDataset, ChatEncoder
 from producer.plan import BatchPlan
-from producer.prefetch import Prefetcher, pack_batch
+from producer.prefetch import PackedBatch, Prefetcher, pack_batch
 from producer.target import load_target
 
 TOKENS_PER_BATCH = 2048
@@ -72,6 +78,7 @@ REAL_LAYERS = [1, 9, 17, 25, 33]
 TOY_SHAPE = dict(hidden_size=256, num_layers=8, heads=4, kv_heads=2, head_dim=64, intermediate_size=768,
                  vocab_size=16384)  # fmt: skip
 SLIDING_WINDOW = 64
+SHORT_LENGTH = 64
 
 
 def build_assets(root: Path, num_chats: int):
@@ -118,6 +125,12 @@ def time_variants(variants: dict, batches, repeats: int) -> dict[str, float]:
                 for key, dt in ((name, time.perf_counter() - t0), (f"{name}_cpu", time.process_time() - c0)):
                     best[key, k] = min(best.get((key, k), dt), dt)
     return {name: sum(v for (n, _), v in best.items() if n == name) for name, _ in best}
+
+
+def cut_short(b: PackedBatch) -> PackedBatch:
+    """The batch's tokens as sequences of SHORT_LENGTH (the last one shorter)."""
+    cu = torch.tensor([*range(0, b.num_tokens, SHORT_LENGTH), b.num_tokens], dtype=torch.int32)
+    return dataclasses.replace(b, cu_seqlens=cu, sample_ids=())
 
 
 def tokens(batches) -> int:
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         hybrid = load_target(save_random(hybrid_config(len(tok)), Path(tmp) / "hybrid"), dtype="float32")
         assert hybrid.packed, hybrid.per_sequence_reason
         hybrid_packing = packed_vs_per_sequence(hybrid, warm, timed, args.repeats)
+        short = [cut_short(b) for b in batches]
+        hybrid_short = packed_vs_per_sequence(hybrid, short[:1], short[1:], args.repeats)
         sliding_dir = save_random(sliding_config(len(tok)), Path(tmp) / "sliding")
         sliding = load_target(sliding_dir, num_features=4, dtype="float32")
         sliding_diff, longer = packed_maxdiff(sliding, load_full(sliding_dir, "sdpa"), timed)
@@ -256,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
         "hybrid_per_sequence_tokens_per_s": round(hybrid_packing["per_sequence_tps"], 1),
         "hybrid_packed_over_per_sequence": round(hybrid_packing["wall"], 3),
         "hybrid_packed_over_per_sequence_cpu": round(hybrid_packing["cpu"], 3),
+        "hybrid_short_packed_over_per_sequence": round(hybrid_short["wall"], 3),
+        "hybrid_short_packed_over_per_sequence_cpu": round(hybrid_short["cpu"], 3),
         "sliding_window": SLIDING_WINDOW,
         "sliding_sequences_longer_than_window": longer,
         "sliding_packed_maxdiff": sliding_diff,
@@ -271,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"packed forward vs per-sequence loop (wall / CPU time): dense toy {toy_packing['wall']:.2f}x /"
           f" {toy_packing['cpu']:.2f}x, hybrid linear attention {hybrid_packing['wall']:.2f}x / {hybrid_packing['cpu']:.2f}x")
+    print(f"  hybrid on the same tokens as {SHORT_LENGTH}-token sequences: {hybrid_short['wall']:.2f}x /"
+          f" {hybrid_short['cpu']:.2f}x")
     print(f"sliding window {SLIDING_WINDOW}: packed vs alone max |diff| {sliding_diff:.2e}"
           f" ({longer} sequences longer than the window)")
     print(
