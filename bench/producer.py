@@ -6,10 +6,12 @@
 
 Data: synthetic multi-turn chats tokenized with the ChatML template, packed by the batch plan (2,048 tokens a
 batch, max length 512, sequences of similar length grouped: ~6 a batch of 200-420 tokens each). Every target
-is random, fp32, built from transformers' config classes; the capture runs the CPU default attention
-(`packed_sdpa`, producer/packed_attention.py: sdpa per packed sequence), the naive full model plain sdpa. Variants alternate over the same batches, `--repeats` times; each batch's fastest run counts
-(a shared machine only adds noise upward). What is timed is one call per batch, features included, by wall
-time (tokens/s and the plain ratios) and by the process's CPU time over its threads (the `_cpu` ratios). On
+is random, fp32, built from transformers' config classes, and runs the CPU default attention (`packed_sdpa`,
+producer/packed_attention.py: sdpa per packed sequence). The process keeps freed host memory as the CPU
+producer does (common/host_memory.py). Variants alternate over the same batches, `--repeats` times; each
+batch's fastest run counts (a shared machine only adds noise upward). What is timed is one call per batch,
+features included, by wall time (tokens/s and the plain ratios) and by the process's CPU time over its
+threads (the `_cpu` ratios). On
 an oversubscribed machine the wall ratios favour the variant with fewer, larger operations (every operation
 of a 2-thread process waits for both threads, and a descheduled thread stalls it); CPU time says what the
 work itself costs. `--threads 1` gives figures that other tenants of the machine barely move.
@@ -62,6 +64,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from common.host_memory import keep_freed_memory
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.data import ChatDataset, ChatEncoder
 from producer.plan import BatchPlan
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the CPU producer does (common/host_memory.py): batches reuse freed pages
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
