@@ -49,7 +49,7 @@ class TargetConfig(_Section):
     dtype: DType = "bfloat16"
     device: str = "cpu"
     # auto: flex_attention on CUDA where the model supports it (block mask, no dense [T, T]), else sdpa, else eager
-    attn_implementation: Literal["auto", "eager", "sdpa", "flex_attention"] = "auto"
+    attn_implementation: Literal["auto", "eager", "sdpa", "flex_attention", "packed_sdpa", "packed_eager"] = "auto"
     num_features: Annotated[int, Field(ge=1, le=64)] = 5
     layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # overrides the DFlash formula
     # tensor parallelism (producer/tp.py): one producer is a group of tp_size processes, rank 0 owns the ring
