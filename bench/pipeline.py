@@ -4,7 +4,10 @@
 
 Every process has one torch thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)) and a fixed core:
 target work on the first allowed core (P), drafter work on the second (C); the serial baseline (e) alone
-gets both cores (two threads, as many as the pipeline's two processes, or one if that is faster).
+gets both cores (two threads, as many as the pipeline's two processes, or one if that is faster). Every
+process keeps the host memory it frees for the next batch (common/host_memory.py), as the producer and
+consumer do on the CPU: without it glibc faulted each batch's activations in again, ~14 % of the
+pipeline producer's CPU per token.
 
 Shapes. Target: a random Qwen3 (hidden 256, 4 heads × 64, 2 KV heads, intermediate 768, vocab 2,048,
 12 layers on disk), fp32, sdpa, three captured layers. Data: synthetic chats (max 256 tokens) packed
@@ -45,10 +48,13 @@ shows whether one target forward serves both drafters at no extra cost.
 Diagnostics: pipeline_efficiency_vs_co_run = (c) ÷ min((f) producer, (f) consumer): the pipeline against
 its stages run at the same time instead of alone, so what the machine takes from two busy cores is not
 counted against the pipeline (the issue's pipeline_efficiency keeps its definition); co_run_slowdown_producer
-and _consumer = (a) ÷ (f) producer, (b) ÷ (f) consumer. Stage rates per CPU-second (the rate with a core to itself), and per pipeline run the
-CPU share each side got, the waits, and `other_load_cores`: the CPU the rest of the machine used
-meanwhile. On a shared machine that load lands on our cores at any time; the pipeline, which needs
-both cores, suffers from it more than a one-core stage does.
+and _consumer = (a) ÷ (f) producer, (b) ÷ (f) consumer. Stage rates per CPU-second (the rate with a core to
+itself), and per pipeline run the CPU share each side got, the waits, and `other_load_cores`: the CPU the
+rest of the machine used meanwhile. On a shared machine that load lands on our cores at any time; the
+pipeline, which needs both cores, suffers from it more than a one-core stage does. Read the co-run on a
+quiet machine: under other load the co-run's loops, which never sleep, get a strictly fair share of their
+cores, while the pipeline's processes, which wait now and then, are given some back by the scheduler, so
+pipeline_efficiency_vs_co_run can exceed 1 there.
 """
 
 from __future__ import annotations
