@@ -10,8 +10,9 @@ consumer do on the CPU: without it glibc faulted each batch's activations in aga
 pipeline producer's CPU per token.
 
 Shapes. Target: a random Qwen3 (hidden 256, 4 heads × 64, 2 KV heads, intermediate 768, vocab 2,048,
-12 layers on disk), fp32, sdpa, three captured layers. Data: synthetic chats (max 256 tokens) packed
-1,024 tokens a batch by the producer's own batch plan. Two settings:
+12 layers on disk), fp32, the CPU's default attention (packed_sdpa: sdpa per packed sequence), three
+captured layers. Data: synthetic chats (max 256 tokens) packed 1,024 tokens a batch by the producer's own
+batch plan. Two settings:
   balanced      target layers [1, 4, 7] (8 run); drafter 1 layer, block 16, 16 anchors a sequence:
                 the target forward and the drafter step cost about the same per token on one core.
   heavy_target  target layers [1, 6, 11] (12 run); drafters 1 layer, block 16, 4 anchors a sequence:
@@ -242,7 +243,7 @@ def summarise(
             for name, reps in runs.items()
         },
         "shapes": {
-            "target": {**TARGET_SHAPE, "dtype": "float32", "attn": "sdpa"},
+            "target": {**TARGET_SHAPE, "dtype": "float32", "attn": "auto (packed_sdpa on the CPU)"},
             "settings": {
                 k: {**asdict(v), "target_layers_run": max(v.layer_ids) + 1} for k, v in SETTINGS.items()
             },
