@@ -6,8 +6,8 @@ Every process has one torch thread (OMP_NUM_THREADS=1, torch.set_num_threads(1))
 target work on the first allowed core (P), drafter work on the second (C); the serial baseline (e) alone
 gets both cores (two threads, as many as the pipeline's two processes, or one if that is faster). Every
 process keeps the host memory it frees for the next batch (common/host_memory.py), as the producer and
-consumer do on the CPU: without it glibc faulted each batch's activations in again, ~14 % of the
-pipeline producer's CPU per token.
+consumer do on the CPU: without it glibc faulted each batch's activations in again (15 % of the pipeline
+producer's CPU went to the kernel).
 
 Shapes. Target: a random Qwen3 (hidden 256, 4 heads × 64, 2 KV heads, intermediate 768, vocab 2,048,
 12 layers on disk), fp32, the CPU's default attention (packed_sdpa: sdpa per packed sequence), three
