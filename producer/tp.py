@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers.distributed import DistributedConfig
 
 from common.config import TargetConfig
+from common.host_memory import keep_freed_memory
 
 log = logging.getLogger("producer.tp")
 
@@ -173,6 +174,8 @@ def follow(target, group: TPGroup) -> int:
     exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group ends (module docstring)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if target.device.type == "cpu":
+        keep_freed_memory()  # as rank 0's ProducerService: each forward reuses the last one's pages
     header = torch.zeros(3, dtype=torch.int64)
     forwards = 0
     try:
