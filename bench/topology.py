@@ -153,8 +153,9 @@ def run_consumer(job_path: str, replica: int, drafter_s: float, out: str) -> int
     import torch
 
     from common.config import load_job
-    from consumer.distributed import GroupCursor, GroupEnv, ReplicaGroup
+    from consumer.distributed import GroupEnv, ReplicaGroup
     from consumer.fanin import FanIn
+    from consumer.group_cursor import GroupCursor
     from consumer.service import ConsumerService
     from consumer.stream import BatchStream
 

@@ -20,8 +20,9 @@ from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
-from consumer.distributed import DEFAULT_TIMEOUT_S, GroupCursor, GroupEnv, GroupError, ReplicaGroup, StepTrace
+from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup, StepTrace
 from consumer.fanin import FanIn
+from consumer.group_cursor import GroupCursor
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts

@@ -19,7 +19,8 @@ from typing import Protocol
 
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
-from consumer.distributed import GroupCheckpoint, GroupCursor, GroupError, ReplicaGroup, RoundFlags, StepTrace
+from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
+from consumer.group_cursor import GroupCheckpoint, GroupCursor
 from consumer.stream import (
     BatchStream,
     ConsumerRejected,

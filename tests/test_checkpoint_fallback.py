@@ -26,7 +26,7 @@ from consumer.checkpoint import (
     save_checkpoint,
     write_manifest,
 )
-from consumer.distributed import GroupCheckpoint, GroupCursor
+from consumer.group_cursor import GroupCheckpoint, GroupCursor
 from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, NonFiniteTrainingError, Trainer
 

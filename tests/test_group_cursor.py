@@ -11,7 +11,8 @@ import torch
 
 from common.accounting import DeliveryLedger, TrainLedger
 from common.accounting_check import check_run
-from consumer.distributed import GroupCheckpoint, GroupCursor, GroupError
+from consumer.distributed import GroupError
+from consumer.group_cursor import GroupCheckpoint, GroupCursor
 from consumer.service import ConsumerService
 
 

@@ -15,7 +15,8 @@ from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, t
 
 from common.config import parse_job
 from common.launch_plan import plan
-from consumer.distributed import GroupCursor, GroupEnv, GroupError, RoundFlags, _buckets
+from consumer.distributed import GroupEnv, GroupError, RoundFlags, _buckets
+from consumer.group_cursor import GroupCursor
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 
