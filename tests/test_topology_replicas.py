@@ -68,14 +68,15 @@ def accounting_ok(run: Path, drafters: int) -> str:
 
 
 def cursor_records(run: Path) -> dict[str, list[dict]]:
-    """Every checkpoint record of the job log, per drafter: the group cursor each checkpoint carried."""
+    """Every checkpoint record of the job log, per drafter, oldest first (by the record's time: one file per
+    consumer process, and their names carry pids, not an order): the group cursor each checkpoint carried."""
     out: dict[str, list[dict]] = {}
     for path in (run / "accounting").glob("consumer-*.jsonl"):
         for line in path.read_text().splitlines():
             rec = json.loads(line) if line.endswith("}") else {}
             if rec.get("kind") == "checkpoint":
                 out.setdefault(rec["drafter"], []).append(rec)
-    return out
+    return {drafter: sorted(recs, key=lambda r: r["t"]) for drafter, recs in out.items()}
 
 
 def delivered_by(run: Path) -> dict[str, int]:
