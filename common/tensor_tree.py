@@ -43,8 +43,8 @@ def pack(tree: Any) -> bytes:
 
 
 def _no_tuples(tree: Any) -> Any:
-    """msgpack turns tuples into lists before `default` sees them (strict_types keeps them for `default`,
-    but then also subclasses such as OrderedDict): normalise mappings to plain dicts, keep tuples."""
+    """`pack` uses strict_types so that tuples reach `default` (plain msgpack would turn them into lists), which
+    also sends dict subclasses there (a state_dict is an OrderedDict): make every mapping a plain dict."""
     if isinstance(tree, dict):
         return {k: _no_tuples(v) for k, v in tree.items()}
     if isinstance(tree, list):

@@ -236,7 +236,7 @@ class ReplicaGroup:
         """
         if self.world_size == 1:
             return load()
-        payload = b""
+        payload, loaded = b"", None
         if self.rank == 0:
             loaded = load()
             if loaded is not None:
@@ -248,7 +248,9 @@ class ReplicaGroup:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else \
             torch.empty(int(size), dtype=torch.uint8)
         self._collective("the checkpoint broadcast", lambda: dist.broadcast(data, 0))
-        got = tensor_tree.unpack(payload if self.rank == 0 else data.numpy().tobytes())
+        if self.rank == 0:
+            return loaded  # what it sent, bit for bit: no need to decode its own copy
+        got = tensor_tree.unpack(data.numpy().tobytes())
         return got["where"], got["state"]
 
     def gather_trained(self, seqs: list[int]) -> dict[int, list[int]]:
