@@ -122,6 +122,12 @@ class LedgerCheckpoint:
         return {**self._what.state_dict(), "ledger": {"id": self._record_id}}
 
 
+def per_node(flat: Sequence[Any], producers: int) -> list[tuple[Any, ...]]:
+    """A flat per-(node, producer) list (entry node × producers + producer: a checkpoint record's cursors and
+    trained_above, and a checkpoint's "group") split into one tuple per node."""
+    return [tuple(flat[n * producers:(n + 1) * producers]) for n in range(len(flat) // producers)]
+
+
 def ledger_id_of(state: dict | None) -> str | None:
     """The ledger record id a checkpoint's trainer state carries (None: fresh start or an older checkpoint)."""
     entry = (state or {}).get("ledger")

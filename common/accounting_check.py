@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common.accounting import ACCOUNTING_DIR, ledger_id_of, sample_digest
+from common.accounting import ACCOUNTING_DIR, ledger_id_of, per_node, sample_digest
 
 LATEST = "latest"  # consumer/checkpoint.py's pointer file (common never imports a role)
 STATE_FILE = "trainer_state.pt"
@@ -192,8 +192,7 @@ def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict
 
 def _final_cursors(record: dict) -> dict[int, tuple[int, ...]]:
     """{node: (cursor of producer 0, 1, ...)} from a checkpoint record (flat per node and producer)."""
-    r, flat = record.get("producers", 1), record["cursors"]
-    return {n: tuple(flat[n * r:(n + 1) * r]) for n in range(len(flat) // r)}
+    return dict(enumerate(per_node(record["cursors"], record.get("producers", 1))))
 
 
 def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cursors: tuple[int, ...],

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from common.accounting import per_node
 from consumer.distributed import GroupError
 
 log = logging.getLogger("consumer")
@@ -75,9 +76,8 @@ class GroupCursor:
         if not isinstance(producers, int) or producers < 1 or len(flat_c) % producers or len(flat_a) != len(flat_c):
             raise GroupError(f"{source}: its group cursor is malformed ({len(flat_c)} cursors, {len(flat_a)}"
                              f" trained_above lists, producers = {producers!r}: want one of each per node and producer)")
-        nodes = range(len(flat_c) // producers)
-        return cls(producers, tuple(tuple(flat_c[n * producers:(n + 1) * producers]) for n in nodes),
-                   tuple(tuple(tuple(a) for a in flat_a[n * producers:(n + 1) * producers]) for n in nodes))
+        return cls(producers, tuple(per_node(flat_c, producers)),
+                   tuple(tuple(tuple(a) for a in node) for node in per_node(flat_a, producers)))
 
     def to_state(self) -> dict:
         return {"producers": self.producers, "cursors": [c for node in self.cursors for c in node],
