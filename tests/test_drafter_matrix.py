@@ -79,3 +79,10 @@ def test_drafter_trains_exports_and_decodes_losslessly(arch, tmp_path):
         )
         assert out[0].tolist() == plain[0].tolist()
         assert len(draft.acceptance_lengths) >= 1
+    # the sampling path (speculative sampling) through the same cache rollback: at a vanishing temperature it
+    # is greedy verification, token for token and step for step
+    greedy_steps = list(draft.acceptance_lengths)
+    cold = draft.spec_generate(
+        input_ids=prompt[None], max_new_tokens=12, temperature=1e-6, target=target, stop_token_ids=[EOS_ID]
+    )
+    assert cold[0].tolist() == plain[0].tolist() and draft.acceptance_lengths == greedy_steps
