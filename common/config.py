@@ -112,6 +112,10 @@ class DataConfig(_Section):
     length_group_window: Annotated[int, Field(ge=1)] = 64  # batches sorted by length within this window
     prefetch_batches: Annotated[int, Field(ge=1)] = 8  # tokenized batches kept ahead of the forward
     shard_by_node: bool = True  # multi-node jobs: each node reads its own disjoint shard
+    # indexing skips (with file:line) a record over this size, so its peak memory never follows the largest
+    # record; a sample is cut at max_length tokens, so nothing near this size is ever trained whole
+    max_record_bytes: Annotated[int, Field(ge=1024)] = 16 << 20
+    record_time_limit_s: Annotated[float, Field(gt=0)] = 60.0  # a safety net: encoding is linear in the record
 
     @model_validator(mode="after")
     def _budget_holds_a_sequence(self) -> DataConfig:

@@ -43,6 +43,10 @@ def _align(n: int, to: int = SLOT_ALIGN) -> int:
 
 
 def _mib(n: int) -> str:
+    """A byte count in the largest binary unit that keeps it ≥ 1 (a mistyped budget reads as TiB, not 10⁶ MiB)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30)):
+        if n >= 1 << shift:
+            return f"{n / 2**shift:.1f} {unit}"
     return f"{n / 2**20:.1f} MiB"
 
 
@@ -189,8 +193,9 @@ class SlotRing:
         if total > free:
             raise RingError(
                 f"{path.parent} has {_mib(free)} free but the ring needs {_mib(total)} ({num_slots} slots x"
-                f" {_mib(slot_bytes)} + header): free space there, lower transport.slots/slot_bytes, or give"
-                " the container a larger --shm-size"
+                f" {_mib(slot_bytes)} + header; a slot holds one batch of data.tokens_per_batch tokens unless"
+                " transport.slot_bytes is set): free space there, lower data.tokens_per_batch or transport.slots,"
+                " or give the container a larger --shm-size"
             )
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

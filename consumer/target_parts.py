@@ -79,7 +79,8 @@ def load_target_parts(path: str | Path, dtype: torch.dtype | None = None) -> Tar
 
 def _read_config(path: Path) -> PretrainedConfig:
     if not path.is_dir():
-        raise TargetPartsError(f"{path}: target model directory does not exist")
+        what = "is a file, not a model directory" if path.exists() else "target model directory does not exist"
+        raise TargetPartsError(f"{path}: {what}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise TargetPartsError(f"{path}: no config.json in the target directory (is this a Hugging Face model dir?)")

@@ -26,6 +26,7 @@ silently mis-masked.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,11 +42,14 @@ log = logging.getLogger(__name__)
 Format = Literal["chat", "prompt_response"]
 Message = dict[str, str]  # role, content and, on assistant turns, an optional reasoning_content
 WARNINGS_PER_REASON = 20  # then only the summary counts them
+CHARS_PER_TOKEN_BOUND = 8  # first guess of the text that N tokens cover; _prefix_tokens grows it as needed
+INDEX_PROGRESS_S = 15.0  # a progress line this often while a large file is indexed
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 COLUMNS: dict[str, tuple[str, ...]] = {"chat": ("messages", "conversations"), "prompt_response": ("prompt", "response")}
 
 __all__ = [
-    "ChatDataset", "ChatEncoder", "DataError", "Message", "RecordError", "iter_messages", "location", "parse_record"
+    "ChatDataset", "ChatEncoder", "DataError", "Message", "RecordError", "RecordLimits", "iter_messages", "location",
+    "parse_record",
 ]
 
 
@@ -105,10 +109,23 @@ def parse_record(line: str, fmt: Format, require_assistant: bool = True) -> list
     return record_messages(json_record(line.encode("utf-8")), fmt, require_assistant)
 
 
-def open_dataset_file(path: str | Path, fmt: Format) -> RecordFile:
+def open_dataset_file(path: str | Path, fmt: Format, max_record_bytes: int | None = None) -> RecordFile:
     if fmt not in COLUMNS:
         raise DataError(f"{path}: unknown data format {fmt!r} (chat or prompt_response)")
-    return open_records(path, COLUMNS[fmt])
+    return open_records(path, COLUMNS[fmt], max_record_bytes)
+
+
+@dataclass(frozen=True)
+class RecordLimits:
+    """Per-record bounds of indexing (the job's data.max_record_bytes and data.record_time_limit_s).
+
+    The size bound is what keeps indexing's peak memory independent of the largest record (a longer JSONL
+    line is never read whole); the time bound is a safety net only: encoding is linear in the record, so a
+    record within the size bound takes well under a second unless the chat template itself is slow.
+    """
+
+    max_bytes: int | None = None
+    max_seconds: float | None = None
 
 
 class ChatEncoder:
@@ -136,25 +153,6 @@ class ChatEncoder:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
-
-    def pieces(self, messages: list[Message]) -> list[tuple[str, bool]]:
-        """The rendered conversation cut into (text, is_answer) pieces."""
-        full = self._render(messages, False)
-        pieces: list[tuple[str, bool]] = []
-        cursor = 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            start = self._answer_start(full, messages[:i], i)
-            if start < cursor:
-                raise RecordError(
-                    "template_not_prefix_stable", f"assistant turn {i} starts before the previous turn ends"
-                )
-            end = self._answer_end(full, start, messages[: i + 1], i)
-            pieces += [(full[cursor:start], False), (full[start:end], True)]
-            cursor = end
-        pieces.append((full[cursor:], False))
-        return [(text, answer) for text, answer in pieces if text]
 
     def _answer_start(self, full: str, before: list[Message], i: int) -> int:
         prompt = self._render(before, True)
@@ -189,16 +187,111 @@ class ChatEncoder:
             )
         return end + len(eot)
 
-    def encode(self, messages: list[Message]) -> tuple[list[int], list[int], int]:
-        """→ (input_ids, loss_mask) truncated to max_length, and the length before truncation."""
-        pieces = self.pieces(messages)
-        encoded = self.tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]
-        ids: list[int] = []
-        mask: list[int] = []
-        for (_, answer), piece_ids in zip(pieces, encoded, strict=True):
-            ids += piece_ids
-            mask += [int(answer)] * len(piece_ids)
-        return ids[: self.max_length], mask[: self.max_length], len(ids)
+    def encode(
+        self, messages: list[Message], deadline: float | None = None
+    ) -> tuple[list[int], list[int], int]:
+        """→ (input_ids, loss_mask) truncated to max_length, and the length before truncation (exact when
+        not truncated; a lower bound above max_length when truncated: the rest is never tokenized).
+
+        Linear in the record: the conversation is rendered once, answer boundaries are found turn by turn
+        and the pieces tokenized as they come, stopping as soon as max_length tokens are known, so neither
+        a record of 100k messages nor one 50 MB answer is rendered per turn or tokenized whole. The tokens
+        are exactly those of tokenizing every piece in full and cutting at max_length. `deadline`
+        (time.monotonic()) bounds the time spent: past it the record is skipped (RecordError "too_slow").
+        """
+        out = _TokenSink(self.tokenizer, self.max_length)
+        for text, answer in self.pieces(messages, deadline):
+            if out.add(text, answer):
+                break
+        out.flush()
+        return out.ids[: self.max_length], out.mask[: self.max_length], out.length
+
+    def pieces(self, messages: list[Message], deadline: float | None = None) -> Iterator[tuple[str, bool]]:
+        """The rendered conversation cut into (text, is_answer) pieces, lazily: a consumer that stops early
+        never renders the later turns' prefixes."""
+        full = self._render(messages, False)
+        cursor = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                raise RecordError(
+                    "too_slow", f"stopped at message {i} of {len(messages)}: over data.record_time_limit_s"
+                )
+            start = self._answer_start(full, messages[:i], i)
+            if start < cursor:
+                raise RecordError(
+                    "template_not_prefix_stable", f"assistant turn {i} starts before the previous turn ends"
+                )
+            end = self._answer_end(full, start, messages[: i + 1], i)
+            yield from ((t, a) for t, a in ((full[cursor:start], False), (full[start:end], True)) if t)
+            cursor = end
+        if full[cursor:]:
+            yield full[cursor:], False
+
+
+class _TokenSink:
+    """Tokenizes (text, is_answer) pieces in batches until max_length tokens are certain.
+
+    Small pieces are batched into one tokenizer call (per-call overhead dominates them); a piece longer than
+    what the missing tokens could need is tokenized by growing prefixes (`_prefix_tokens`), never whole.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.length = 0  # tokens of the pieces seen (lower bound once a piece was cut)
+        self._pending: list[tuple[str, bool]] = []
+        self._pending_chars = 0
+
+    def _budget(self) -> int:
+        """Characters beyond which a piece (or the pending batch) surely holds the missing tokens, or is cut."""
+        return CHARS_PER_TOKEN_BOUND * max(self.max_length - len(self.ids), 1) + 1024
+
+    def add(self, text: str, answer: bool) -> bool:
+        """Queue one piece; True when max_length is exceeded (the rest of the record is not needed)."""
+        if len(text) > self._budget():
+            if self.flush():
+                return True
+            ids, cut = _prefix_tokens(self.tokenizer, text, self.max_length - len(self.ids) + 1)
+            self._extend(ids, answer)
+            self.length += cut  # a cut piece has more tokens than were counted
+            return len(self.ids) > self.max_length
+        self._pending.append((text, answer))
+        self._pending_chars += len(text)
+        return self._pending_chars > self._budget() and self.flush()
+
+    def flush(self) -> bool:
+        if self._pending:
+            encoded = self.tokenizer([t for t, _ in self._pending], add_special_tokens=False)["input_ids"]
+            for (_, answer), piece_ids in zip(self._pending, encoded, strict=True):
+                self._extend(piece_ids, answer)
+            self._pending, self._pending_chars = [], 0
+        return len(self.ids) > self.max_length
+
+    def _extend(self, ids: list[int], answer: bool) -> None:
+        self.ids += ids
+        self.mask += [int(answer)] * len(ids)
+        self.length += len(ids)
+
+
+def _prefix_tokens(tokenizer: PreTrainedTokenizerBase, text: str, need: int) -> tuple[list[int], int]:
+    """The first `need` tokens of tokenize(text) without tokenizing all of `text`, and 1 if text was cut.
+
+    A cut changes tokens only near the cut (pre-tokenizers split at word boundaries; merges are local), so
+    prefixes are doubled until two consecutive ones agree on their first `need` tokens and both have more:
+    those tokens are then the full text's. Cost: about twice the text that `need` tokens cover.
+    """
+    size = CHARS_PER_TOKEN_BOUND * need + 1024
+    prev: list[int] | None = None
+    while size < len(text):
+        ids = tokenizer(text[:size], add_special_tokens=False)["input_ids"]
+        if prev is not None and len(prev) > need and prev[:need] == ids[:need]:
+            return ids[:need], 1
+        prev, size = ids, size * 2
+    return tokenizer(text, add_special_tokens=False)["input_ids"], 0
 
 
 @dataclass
@@ -219,11 +312,12 @@ class ChatDataset:
     when a batch needs them, so memory holds two integers per sample, not the tokens.
     """
 
-    def __init__(self, path: str | Path, fmt: Format, encoder: ChatEncoder):
+    def __init__(self, path: str | Path, fmt: Format, encoder: ChatEncoder, limits: RecordLimits | None = None):
         self.path = Path(path)
         self.format: Format = fmt
         self.encoder = encoder
-        self.records = open_dataset_file(self.path, fmt)
+        self.limits = limits or RecordLimits()
+        self.records = open_dataset_file(self.path, fmt, self.limits.max_bytes)
         self.positions: list[int] = []
         self.lengths: list[int] = []
         self.stats = DataStats()
@@ -234,13 +328,28 @@ class ChatDataset:
             raise DataError(f"{self.path}: no usable record ({dict(self.stats.skipped)} skipped)")
 
     def _index(self) -> None:
-        max_length = self.encoder.max_length
+        max_length, limits = self.encoder.max_length, self.limits
+        started = last_report = time.monotonic()
         for number, position, rec in self.records.scan():
             self.stats.records += 1
+            now = time.monotonic()
+            if now - last_report > INDEX_PROGRESS_S:
+                last_report = now
+                log.info("indexing %s: %d records read, %d usable, %d tokens (%.0f records/s)", self.path,
+                         self.stats.records, len(self.positions), self.stats.tokens,
+                         self.stats.records / (now - started))
             try:
                 if isinstance(rec, RecordError):
                     raise rec
-                ids, mask, full_length = self.encoder.encode(record_messages(rec, self.format))
+                messages = record_messages(rec, self.format)
+                if limits.max_bytes is not None:
+                    chars = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in messages)
+                    if chars > limits.max_bytes:
+                        raise RecordError(
+                            "too_large", f"{chars} characters of text, over data.max_record_bytes = {limits.max_bytes}"
+                        )
+                deadline = None if limits.max_seconds is None else now + limits.max_seconds
+                ids, mask, full_length = self.encoder.encode(messages, deadline)
             except RecordError as err:
                 self._skip(number, err)
                 continue

@@ -10,6 +10,7 @@ memory-mapped (the OS pages in what is touched), so a 10 GB file costs what the 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -55,11 +56,13 @@ class RecordFile(Protocol):
         ...
 
 
-def open_records(path: str | Path, columns: tuple[str, ...]) -> RecordFile:
+def open_records(path: str | Path, columns: tuple[str, ...], max_record_bytes: int | None = None) -> RecordFile:
     """The reader for `path` by its suffix (.parquet, .arrow; anything else is JSON lines).
 
     `columns` are the fields a table record needs (others are not read); a table with none of them is an
-    error. Raises DataError for a missing path, a directory, an empty file or an unreadable table.
+    error. A JSONL line longer than `max_record_bytes` is never read whole: `scan()` yields RecordError
+    "too_large" for it (table rows are bounded by their record batch; the caller checks their text).
+    Raises DataError for a missing path, a directory, an empty file or an unreadable table.
     """
     path = Path(path)
     if path.is_dir():
@@ -75,7 +78,7 @@ def open_records(path: str | Path, columns: tuple[str, ...]) -> RecordFile:
         return ParquetRecords(path, columns)
     if suffix == ".arrow":
         return ArrowRecords(path, columns)
-    return JsonlRecords(path)
+    return JsonlRecords(path, max_record_bytes)
 
 
 def json_record(raw: bytes) -> dict:
@@ -97,18 +100,31 @@ def json_record(raw: bytes) -> dict:
 
 class JsonlRecords:
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_record_bytes: int | None = None):
         self.path = path
+        self.max_record_bytes = max_record_bytes
 
     def scan(self) -> Iterator[tuple[int, int, dict | RecordError]]:
+        limit = self.max_record_bytes
         with self.path.open("rb") as f:
             offset = 0
-            for line_no, raw in enumerate(f, start=1):
-                try:
-                    yield line_no, offset, json_record(raw)
-                except RecordError as err:
-                    yield line_no, offset, err
-                offset += len(raw)
+            for line_no in itertools.count(1):
+                raw = f.readline() if limit is None else f.readline(limit + 1)
+                if not raw:
+                    return
+                size = len(raw)
+                if limit is not None and size > limit and not raw.endswith(b"\n"):
+                    del raw  # the rest of the line is skipped in chunks: memory stays at the limit
+                    size += _skip_line(f)
+                    yield line_no, offset, RecordError(
+                        "too_large", f"the line has {size} bytes, over data.max_record_bytes = {limit}"
+                    )
+                else:
+                    try:
+                        yield line_no, offset, json_record(raw)
+                    except RecordError as err:
+                        yield line_no, offset, err
+                offset += size
 
     def reader(self) -> JsonlReader:
         return JsonlReader(self.path)
@@ -119,6 +135,16 @@ class JsonlRecords:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 lines, last = lines + chunk.count(b"\n"), chunk[-1:]
         return lines + (last != b"\n")
+
+
+def _skip_line(f, chunk: int = 1 << 20) -> int:
+    """Read on to the end of the current line; → the bytes read."""
+    skipped = 0
+    while True:
+        part = f.readline(chunk)
+        skipped += len(part)
+        if not part or part.endswith(b"\n"):
+            return skipped
 
 
 class JsonlReader:

@@ -176,7 +176,8 @@ def _errors_only(record: logging.LogRecord) -> bool:
 
 def _read_config(path: Path) -> PretrainedConfig:
     if not path.is_dir():
-        raise TargetLoadError(f"{path}: target model directory does not exist")
+        what = "is a file, not a model directory" if path.exists() else "target model directory does not exist"
+        raise TargetLoadError(f"{path}: {what}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise TargetLoadError(f"{path}: no config.json in the target model directory")

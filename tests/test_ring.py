@@ -274,7 +274,7 @@ def test_batch_that_does_not_fit_names_the_sizes(name):
 def test_full_shm_fails_at_create_with_sizes(name):
     st = os.statvfs(SHM)
     free = st.f_bavail * st.f_frsize
-    with pytest.raises(RingError, match=r"MiB free but the ring needs .* MiB .*--shm-size"):
+    with pytest.raises(RingError, match=r"iB free but the ring needs .* [MGT]iB .*--shm-size"):
         SlotRing.create("cpu", 2, free // 2 + (64 << 20), name=name, shm_dir=SHM)
     assert not ring_path(SHM, name).exists()
 
