@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from common import hub
+
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 IPC_PATH_MAX = 107  # sun_path limit for ipc:// endpoints
@@ -45,7 +47,8 @@ class JobSection(_Section):
 
 
 class TargetConfig(_Section):
-    path: str  # local Hugging Face model directory (config.json, weights, tokenizer)
+    path: str  # a local Hugging Face model directory, or a hub id ("Qwen/Qwen3-8B", from the HF cache: common/hub.py)
+    revision: str | None = None  # a hub id's branch, tag or commit (default: main)
     dtype: DType = "bfloat16"
     device: str = "cpu"
     # auto: flex_attention on CUDA where the model supports it (block mask, no dense [T, T]), else sdpa, else eager
@@ -101,9 +104,13 @@ class TargetConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str  # a .jsonl, .parquet or .arrow file (messages, ShareGPT conversations or prompt/response)
+    # a .jsonl, .parquet or .arrow file (messages, ShareGPT conversations or prompt/response), or a hub dataset id
+    path: str
+    split: str = "train"  # a hub dataset's split
+    subset: str | None = None  # a hub dataset's subset (its card's config name; default: the card's default)
+    revision: str | None = None  # a hub dataset's branch, tag or commit
     format: Literal["chat", "prompt_response"] = "chat"
-    tokenizer: str | None = None  # default: the target's directory
+    tokenizer: str | None = None  # default: the target's directory; a local directory or a hub id
     # passed to every chat-template rendering, e.g. {enable_thinking = false}; regenerate with the same
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_length: Annotated[int, Field(ge=8)] = 2048
@@ -503,7 +510,25 @@ def load_job(path: str | Path) -> JobConfig:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return parse_job(doc, str(path))
+    return parse_job(_resolve_hub_ids(doc, str(path)), str(path))
+
+
+def _resolve_hub_ids(doc: dict, source: str) -> dict:
+    """Hub ids of the target and the tokenizer → their snapshot folders (downloaded first when online), and a
+    hub dataset's split files fetched, so every check below sees local files (common/hub.py)."""
+    target, data = doc.get("target"), doc.get("data")
+    target = target if isinstance(target, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    try:
+        if isinstance(target.get("path"), str) and hub.is_hub_id(target["path"]):
+            target = {**target, "path": hub.model_dir(target["path"], target.get("revision"), "target.path")}
+        if isinstance(data.get("tokenizer"), str) and hub.is_hub_id(data["tokenizer"]):
+            data = {**data, "tokenizer": hub.model_dir(data["tokenizer"], None, "data.tokenizer")}
+        if isinstance(data.get("path"), str) and hub.is_hub_id(data["path"]):
+            hub.dataset_files(data["path"], data.get("split", "train"), data.get("subset"), data.get("revision"))
+    except hub.HubError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    return {**doc, **({"target": target} if "target" in doc else {}), **({"data": data} if "data" in doc else {})}
 
 
 def dflash_layer_ids(num_target_layers: int, num_features: int) -> list[int]:

@@ -22,7 +22,7 @@ from common.profile import ProfileStats
 from common.ring import RingError
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
-from producer.data import ChatDataset, ChatEncoder, DataError, RecordLimits
+from producer.data import ChatDataset, ChatEncoder, DataError, HubSelection, RecordLimits
 from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService
@@ -61,7 +61,8 @@ def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatData
     start = time.perf_counter()
     encoder = ChatEncoder(tokenizer, job.data.max_length, str(tok_path), job.data.chat_template_kwargs)
     limits = RecordLimits(job.data.max_record_bytes, job.data.record_time_limit_s)
-    dataset = ChatDataset(job.data.path, job.data.format, encoder, limits)
+    hub = HubSelection(job.data.split, job.data.subset, job.data.revision)
+    dataset = ChatDataset(job.data.path, job.data.format, encoder, limits, hub)
     stats = dataset.stats
     log.info("indexed %s: %d samples, %d tokens, %d truncated, skipped %s (%.1f s)", job.data.path, len(dataset),
              stats.tokens, stats.truncated, dict(stats.skipped) or "none", time.perf_counter() - start)

@@ -35,7 +35,16 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from producer.records import TABLE_SUFFIXES, DataError, RecordError, RecordFile, json_record, open_records
+from common.hub import HubError, dataset_files, is_hub_id
+from producer.records import (
+    TABLE_SUFFIXES,
+    DataError,
+    RecordError,
+    RecordFile,
+    ShardedRecords,
+    json_record,
+    open_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +57,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 COLUMNS: dict[str, tuple[str, ...]] = {"chat": ("messages", "conversations"), "prompt_response": ("prompt", "response")}
 
 __all__ = [
-    "ChatDataset", "ChatEncoder", "DataError", "Message", "RecordError", "RecordLimits", "iter_messages", "location",
+    "ChatDataset", "ChatEncoder", "DataError", "HubSelection", "Message", "RecordError", "RecordLimits", "iter_messages", "location",
     "parse_record",
 ]
 
@@ -109,9 +118,29 @@ def parse_record(line: str, fmt: Format, require_assistant: bool = True) -> list
     return record_messages(json_record(line.encode("utf-8")), fmt, require_assistant)
 
 
-def open_dataset_file(path: str | Path, fmt: Format, max_record_bytes: int | None = None) -> RecordFile:
+@dataclass(frozen=True)
+class HubSelection:
+    """Which part of a hub dataset `data.path` names (the job's data.split, data.subset, data.revision)."""
+
+    split: str = "train"
+    subset: str | None = None
+    revision: str | None = None
+
+
+def open_dataset_file(
+    path: str | Path, fmt: Format, max_record_bytes: int | None = None, hub: HubSelection | None = None
+) -> RecordFile:
+    """A local record file, or the split's files of the hub dataset `path` names (common/hub.py)."""
     if fmt not in COLUMNS:
         raise DataError(f"{path}: unknown data format {fmt!r} (chat or prompt_response)")
+    if is_hub_id(str(path)):
+        hub = hub or HubSelection()
+        try:
+            files = dataset_files(str(path), hub.split, hub.subset, hub.revision)
+        except HubError as err:
+            raise DataError(str(err)) from None
+        shards = [open_records(f, COLUMNS[fmt], max_record_bytes) for f in files]
+        return shards[0] if len(shards) == 1 else ShardedRecords(Path(path), shards)
     return open_records(path, COLUMNS[fmt], max_record_bytes)
 
 
@@ -312,12 +341,13 @@ class ChatDataset:
     when a batch needs them, so memory holds two integers per sample, not the tokens.
     """
 
-    def __init__(self, path: str | Path, fmt: Format, encoder: ChatEncoder, limits: RecordLimits | None = None):
+    def __init__(self, path: str | Path, fmt: Format, encoder: ChatEncoder, limits: RecordLimits | None = None,
+                 hub: HubSelection | None = None):
         self.path = Path(path)
         self.format: Format = fmt
         self.encoder = encoder
         self.limits = limits or RecordLimits()
-        self.records = open_dataset_file(self.path, fmt, self.limits.max_bytes)
+        self.records = open_dataset_file(path, fmt, self.limits.max_bytes, hub)
         self.positions: list[int] = []
         self.lengths: list[int] = []
         self.stats = DataStats()
@@ -385,7 +415,8 @@ class ChatDataset:
 
 def location(path: str | Path, number: int) -> str:
     """Where a record is, for messages: file:line for JSON lines, file:row N for tables."""
-    return f"{path}:row {number}" if Path(path).suffix.lower() in TABLE_SUFFIXES else f"{path}:{number}"
+    table = Path(path).suffix.lower() in TABLE_SUFFIXES or is_hub_id(str(path))
+    return f"{path}:row {number}" if table else f"{path}:{number}"
 
 
 class SampleReader:

@@ -147,6 +147,46 @@ def _skip_line(f, chunk: int = 1 << 20) -> int:
             return skipped
 
 
+class ShardedRecords:
+    """Several record files read as one (the shards of a hub dataset's split), in order.
+
+    Numbers run on across the files (1-based, as one file's would); a position packs the file's index above
+    its own position (POSITION_BITS), so `RecordReader.get` finds the file again from the int alone.
+    """
+
+    POSITION_BITS = 44  # 16 TiB of one JSONL file, or 2^44 rows of one table
+
+    def __init__(self, path: Path, files: list[RecordFile]):
+        self.path = path  # what messages name: the dataset, not one shard
+        self.files = files
+
+    def scan(self) -> Iterator[tuple[int, int, dict | RecordError]]:
+        base = 0
+        for index, records in enumerate(self.files):
+            number = 0
+            for number, position, rec in records.scan():
+                yield base + number, (index << self.POSITION_BITS) | position, rec
+            base += number
+
+    def reader(self) -> ShardedReader:
+        return ShardedReader([f.reader() for f in self.files], self.POSITION_BITS)
+
+    def count(self) -> int:
+        return sum(f.count() for f in self.files)
+
+
+class ShardedReader:
+    def __init__(self, readers: list[RecordReader], bits: int):
+        self.readers, self.bits = readers, bits
+
+    def get(self, position: int) -> dict:
+        return self.readers[position >> self.bits].get(position & ((1 << self.bits) - 1))
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
 class JsonlReader:
     def __init__(self, path: Path):
         self.file = path.open("rb")
