@@ -61,12 +61,12 @@ while True:
             if copier is None:
                 copier = CopyOut(dev, ring.device, 1)
             views = ring.view(req["slot"], layout_from_wire(req["layout"]))
-            with torch.cuda.device(ring.device):  # the ring GPU's default stream is busy: the copies must not
-                torch.cuda._sleep(req["sleep_cycles"])  # be queued there, behind it, unwaited for
             for bufset in copier.sets.sets:
                 for t in bufset.tensors.values():
                     t.reshape(-1).view(torch.uint8).fill_(0xAB)  # stale bytes, should the copy not have landed
             torch.cuda.synchronize(dev)
+            with torch.cuda.device(ring.device):  # the ring GPU's default stream is busy: the copies must not
+                torch.cuda._sleep(req["sleep_cycles"])  # be queued there, behind it, unwaited for
             out, _ = copier.copy(views, None)
             host = {k: digest(t) for k, t in out.items() if t.device.type == "cpu"}  # read now, no device sync
             send({"ok": True, "host": host, "device": {k: digest(t) for k, t in out.items()}})

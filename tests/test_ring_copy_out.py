@@ -57,6 +57,8 @@ def test_cuda_copy_never_waits_for_the_training_stream():
     dev = torch.device("cuda", torch.cuda.current_device())
     copier = CopyOut(dev, dev, min_rows=16)
     src, tag_src = views(16, fill=3.0, device=str(dev)), torch.tensor([5], device=dev)
+    for _ in copier.sets.sets:  # both sets allocated (device and pinned host memory) before the timed part
+        copier.copy(src, tag_src)
     torch.cuda.synchronize(dev)  # the slot is complete before its BATCH message, as the producer's event ensures
     torch.cuda._sleep(500_000_000)  # the training stream (this thread's current one) is busy
     out, tag = copier.copy(src, tag_src)
