@@ -12,7 +12,9 @@ training stream still computes on batch n:
   set's previous batch was given up (the next `copy()`): its step's kernels have read it by then;
 - after the copies, an event on each copy stream; the host waits on those events only (the slot may be
   released and its seq tag read once they completed), never on the training stream;
-- the training stream waits on the consumer GPU's copy event before any work on the new batch.
+- the training stream waits on the consumer GPU's copy event before any work on the new batch;
+- a buffer (re)allocated (first batches, a larger batch) comes from the training stream's pool, whose last
+  user may still be queued there: the copy streams wait for the training stream once, then.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ class BufferSets:
         self.turn = (self.turn + 1) % len(self.sets)
         return self.sets[self.turn]
 
-    def buffers_for(self, bufset: BufferSet, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Buffers shaped like `views` in `bufset` (grown when a batch is larger than any before)."""
-        out = {}
+    def buffers_for(self, bufset: BufferSet, views: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Buffers shaped like `views` in `bufset` (grown when a batch is larger than any before), and
+        whether any was allocated now."""
+        out, allocated = {}, False
         for name, view in views.items():
             buf = bufset.tensors.get(name)
             if buf is None or buf.dtype != view.dtype or buf.shape[1:] != view.shape[1:] or buf.shape[0] < view.shape[0]:
@@ -60,8 +63,9 @@ class BufferSets:
                 buf = torch.empty((rows, *view.shape[1:]), dtype=view.dtype, device="cpu" if on_host else self.device,
                                   pin_memory=on_host and self.pin_host)
                 bufset.tensors[name] = buf
+                allocated = True
             out[name] = buf[: view.shape[0]]
-        return out
+        return out, allocated
 
 
 class CopyOut:
@@ -87,7 +91,7 @@ class CopyOut:
             previous.freed = torch.cuda.Event()
             previous.freed.record(torch.cuda.current_stream(self.device))
         bufset = self.sets.next_set()
-        out = self.sets.buffers_for(bufset, views)
+        out, allocated = self.sets.buffers_for(bufset, views)
         if not self.cuda:
             for name, view in views.items():
                 out[name].copy_(view)
@@ -99,6 +103,8 @@ class CopyOut:
                 on_copy_streams.enter_context(torch.cuda.stream(stream))
                 if bufset.freed is not None:
                     stream.wait_event(bufset.freed)  # the step that read this set's last batch is done
+                if allocated and self._training:  # new memory comes from the training stream's pool: its
+                    stream.wait_stream(torch.cuda.current_stream(self.device))  # last user's kernels first
             for name, view in views.items():
                 out[name].copy_(view, non_blocking=True)
             if tag is not None:  # read after the data: a rewrite begun before this read has already changed it

@@ -21,7 +21,7 @@ def storage(t: torch.Tensor) -> int:
 
 def test_two_sets_alternate_and_a_set_is_reused_two_batches_later():
     sets = BufferSets(2, torch.device("cpu"), min_rows=8, pin_host=False)
-    got = [sets.buffers_for(sets.next_set(), views(5)) for _ in range(3)]
+    got = [sets.buffers_for(sets.next_set(), views(5))[0] for _ in range(3)]
     assert sets.turn == 0
     assert storage(got[0]["hidden"]) != storage(got[1]["hidden"])  # batch n+1 never lands on batch n
     assert storage(got[2]["hidden"]) == storage(got[0]["hidden"])  # batch n+2 reuses batch n's set
@@ -31,13 +31,14 @@ def test_two_sets_alternate_and_a_set_is_reused_two_batches_later():
 
 def test_a_larger_batch_grows_its_set_and_a_new_width_reallocates():
     sets = BufferSets(1, torch.device("cpu"), min_rows=4, pin_host=False)
-    small = sets.buffers_for(sets.next_set(), views(4))
-    large = sets.buffers_for(sets.next_set(), views(9))
-    assert large["hidden"].shape == (9, 3) and storage(large["hidden"]) != storage(small["hidden"])
-    again = sets.buffers_for(sets.next_set(), views(6))
-    assert storage(again["hidden"]) == storage(large["hidden"])  # fits: no new allocation
-    wide = sets.buffers_for(sets.next_set(), views(6, width=5))
-    assert wide["hidden"].shape == (6, 5)
+    small, allocated = sets.buffers_for(sets.next_set(), views(4))
+    assert allocated
+    large, allocated = sets.buffers_for(sets.next_set(), views(9))
+    assert allocated and large["hidden"].shape == (9, 3) and storage(large["hidden"]) != storage(small["hidden"])
+    again, allocated = sets.buffers_for(sets.next_set(), views(6))
+    assert not allocated and storage(again["hidden"]) == storage(large["hidden"])  # fits: no new allocation
+    wide, allocated = sets.buffers_for(sets.next_set(), views(6, width=5))
+    assert allocated and wide["hidden"].shape == (6, 5)
 
 
 def test_cpu_copy_out_copies_values_and_reads_the_tag():
