@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,16 +79,6 @@ replicas = {replicas}
 
 
 # ---------------------------------------------------------------------------------------------- workers
-@dataclass
-class Batch:
-    seq: int
-    epoch: int
-    sample_ids: list
-    input_ids: object
-    loss_mask: object
-    cu_seqlens: object
-
-
 class SleepTarget:
     """The target's forward as a calibrated sleep; the features are left in the slot as they are."""
 
@@ -134,6 +123,7 @@ def run_producer(job_path: str, replica: int, target_s: float, batches: int) -> 
     import torch
 
     from common.config import load_job
+    from common.packed_batch import PackedBatch
     from producer.service import ProducerService
 
     job = load_job(job_path)
@@ -141,8 +131,8 @@ def run_producer(job_path: str, replica: int, target_s: float, batches: int) -> 
 
     def batches_from(seq: int):
         for s in range(seq, batches, stride):
-            yield Batch(s, 0, [s], torch.zeros(TOKENS, dtype=torch.int64), torch.ones(TOKENS, dtype=torch.uint8),
-                        torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32))
+            yield PackedBatch(s, 0, [s], torch.zeros(TOKENS, dtype=torch.int64), torch.ones(TOKENS, dtype=torch.uint8),
+                              torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32))
 
     service = ProducerService(job, SleepTarget(target_s), batches_from, batches,
                               ring_name=f"{job.job.name}-p{replica}", replica=replica)

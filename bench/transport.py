@@ -2,10 +2,11 @@
 
 Timed span, on the producer's clock, per batch: from "the batch is ready in the producer's memory" to
 "the producer knows the consumer holds its own copy and the producer's memory is free for the next one":
-  ring          the producer writes the batch into a free slot (one memcpy) and sends (seq, slot, layout) as
-                msgpack over zmq PAIR; the consumer takes views into the slot, copies them into its own
-                buffers, allocated once and reused (one memcpy: what consumer/stream.py does), and sends
-                RELEASE at once.
+  ring          the producer writes the batch into a free slot by the producer's own path (SlotRing.begin_write
+                / end_write with the seq tag, one memcpy) and sends (seq, slot, layout) as msgpack over zmq
+                PAIR; the consumer takes views into the slot and copies them out with consumer/copy_out.py
+                (its buffers allocated once and reused, the seq tag read after the data: one memcpy, what
+                consumer/stream.py does), and sends RELEASE at once.
   mpqueue_pool  plain torch.multiprocessing done well: a pool of shared-memory tensors made once, handed to
                 the consumer once at start and reused round-robin; per batch the producer copies the batch
                 into the next pool entry (one memcpy) and puts (seq, entry, tokens) on a torch mp.Queue; the
@@ -45,8 +46,10 @@ import torch
 import torch.multiprocessing as tmp
 import zmq
 
-from common.ring import SlotRing, layout_from_wire, layout_to_wire
+from common.packed_batch import SEQ_TAG, PackedBatch, slot_items
+from common.ring import SlotRing, layout_from_wire, layout_to_wire, plan_layout
 from common.slot_table import SlotTable
+from consumer.copy_out import CopyOut
 
 SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
 REPS = {"1MiB": 100, "16MiB": 60, "64MiB": 40, "256MiB": 15}
@@ -69,12 +72,9 @@ def tokens_for(nbytes: int) -> int:
 def make_batch(nbytes: int, seq: int) -> dict[str, torch.Tensor]:
     """A packed batch of about `nbytes`: hidden [T, WIDTH] bf16, input_ids [T], loss_mask [T], cu_seqlens."""
     tokens = tokens_for(nbytes)
-    batch = {
-        "hidden": torch.full((tokens, WIDTH), float(seq % 7), dtype=torch.bfloat16),
-        "input_ids": torch.arange(tokens, dtype=torch.int64),
-        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
-        "cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32),
-    }
+    batch = PackedBatch(seq, 0, [seq], torch.arange(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.uint8),
+                        torch.tensor([0, tokens], dtype=torch.int32),
+                        hidden=torch.full((tokens, WIDTH), float(seq % 7), dtype=torch.bfloat16)).tensors()
     batch["input_ids"][0] = seq  # the consumer checks this tag on its own copy: it holds the right batch
     return batch
 
@@ -122,7 +122,8 @@ def _ring_consumer(endpoint: str, max_bytes: int) -> None:
     ctx = zmq.Context()
     sock = _pair(ctx, endpoint, bind=False)
     ring = SlotRing.attach(_recv(sock))
-    buffers = own_buffers(max_bytes)
+    copier = CopyOut(torch.device("cpu"), ring.device, min_rows=tokens_for(max_bytes))
+    copier.copy(make_batch(max_bytes, 0), None)  # its buffers allocated and touched once, as a real consumer's
     sock.send(msgpack.packb("attached"))
     while True:
         msg = _recv(sock)
@@ -133,10 +134,11 @@ def _ring_consumer(endpoint: str, max_bytes: int) -> None:
             continue
         seq, slot, layout = msg
         t0 = time.perf_counter()
-        mine = copy_out(buffers, ring.view(slot, layout_from_wire(layout)))
-        ring.wait_reads(None)
+        views = ring.view(slot, layout_from_wire(layout))
+        tag = views.pop(SEQ_TAG)
+        mine, seq_tag = copier.copy(views, tag)
         copy_s = time.perf_counter() - t0
-        sock.send(msgpack.packb([seq, holds(mine, seq), slot, copy_s]))  # RELEASE: the slot is free
+        sock.send(msgpack.packb([seq, holds(mine, seq) and seq_tag == seq, slot, copy_s]))  # RELEASE: the slot is free
     ring.close()
     sock.close()
     ctx.term()
@@ -201,8 +203,9 @@ def run_ring(sock: zmq.Socket, sizes: dict, reps: dict, warmup: int, gap: float,
                 _pace(t_ack, gap)
                 t0 = time.perf_counter()
                 slot = table.acquire()
-                layout = ring.write(slot, batch)
-                ring.write_event(slot)
+                layout = plan_layout(slot_items(batch["input_ids"].shape[0], 1, WIDTH, "bfloat16"))
+                views = ring.begin_write(slot, layout)  # the producer's path (producer/service.py _write_slot)
+                ring.end_write(slot, views, batch, seq)
                 table.publish(slot, seq, ["c0"])
                 t_written = time.perf_counter()
                 sock.send(msgpack.packb([seq, slot, layout_to_wire(layout)]))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
-import math
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,11 +24,11 @@ from pydantic import (
 )
 
 from common import hub
+from common.packed_batch import required_slot_bytes  # the slot sizing lives with the batch
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 IPC_PATH_MAX = 107  # sun_path limit for ipc:// endpoints
-SLOT_ALIGN = 256  # every tensor in a slot starts on this boundary
 
 
 class ConfigError(ValueError):
@@ -359,22 +358,6 @@ class RunPaths:
             d.mkdir(parents=True, exist_ok=True)
         self.sockets.mkdir(parents=True, exist_ok=True)
         self.sockets.chmod(0o700)
-
-
-def required_slot_bytes(tokens: int, feature_width: int, dtype: str, max_sequences: int | None = None) -> int:
-    """Bytes one packed batch needs: hidden [T, n*H], input_ids [T], loss_mask [T], cu_seqlens [B+1]."""
-    seqs = tokens if max_sequences is None else max_sequences
-
-    def aligned(n: int) -> int:
-        return int(math.ceil(n / SLOT_ALIGN) * SLOT_ALIGN)
-
-    return (
-        aligned(tokens * feature_width * DTYPE_BYTES[dtype])
-        + aligned(tokens * 8)  # input_ids int64
-        + aligned(tokens * 1)  # loss_mask uint8
-        + aligned((seqs + 1) * 4)  # cu_seqlens int32
-        + aligned(seqs * 8)  # sample ids int64
-    )
 
 
 def is_loopback(host: str) -> bool:

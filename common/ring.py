@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from common import ring_cuda
-from common.config import SLOT_ALIGN
+from common.packed_batch import SEQ_TAG, SLOT_ALIGN, aligned
 from common.ring_error import RingError
 
 HEADER_BYTES = 4096  # one page before slot 0: keeps slot 0 page aligned
@@ -33,13 +33,8 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (*_DTYPE_NAMES, "bool")}
 _MAX_DIMS = 8
 _UNSEALED = object()  # a CUDA slot written since its last write_event
-# Optional layout entry: int64 [1], the seq a slot holds. The producer sets it to -1 before rewriting a slot
-# and to the batch's seq after; a consumer reads it after copying, so a slot reused under it is detected.
-SEQ_TAG = "seq_tag"
-
-
-def _align(n: int, to: int = SLOT_ALIGN) -> int:
-    return -(-n // to) * to
+__all__ = ["DTYPES", "HEADER_BYTES", "SEQ_TAG", "RingError", "SlotRing", "TensorSpec", "layout_from_wire",
+           "layout_to_wire", "plan_layout", "ring_path"]
 
 
 def _mib(n: int) -> str:
@@ -112,7 +107,7 @@ def plan_layout(items: list[tuple[str, str, tuple[int, ...]]]) -> list[TensorSpe
     for name, dtype, shape in items:
         if dtype not in DTYPES:
             raise RingError(f"tensor {name!r} has dtype {dtype}, which the ring cannot carry")
-        spec = TensorSpec(name, dtype, tuple(shape), _align(end))
+        spec = TensorSpec(name, dtype, tuple(shape), aligned(end))
         layout.append(spec)
         end = spec.offset + spec.nbytes
     return layout
@@ -171,7 +166,7 @@ class SlotRing:
             raise RingError(
                 f"ring needs num_slots >= 1 and slot_bytes >= 1, got {num_slots!r}, {slot_bytes!r}"
             )
-        slot_bytes = _align(slot_bytes)
+        slot_bytes = aligned(slot_bytes)
         canary = secrets.token_bytes(16)
         if kind == "cpu":
             return cls._create_shm(num_slots, slot_bytes, canary, ring_path(shm_dir, name))
@@ -286,24 +281,32 @@ class SlotRing:
             )
 
     # ---- data ----
-    def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
-        """Lay `tensors` out in `slot` (SLOT_ALIGN-aligned, in dict order) and copy them in; CUDA copies are
-        asynchronous: call write_event(slot) after the last write and publish once is_written(slot)."""
-        self._check_slot(slot)
-        items = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()]
-        layout = plan_layout(items)
-        end = layout[-1].offset + layout[-1].nbytes if layout else 0
+    def begin_write(self, slot: int, layout: list[TensorSpec]) -> dict[str, torch.Tensor]:
+        """The producer's write, first half: views of `slot` as `layout` places a batch, the seq tag (when
+        the layout has one) set to -1 before any other byte changes, so a consumer still reading the slot's
+        previous batch sees it change. The caller fills views (the target forward writes the features)."""
+        end = max((s.offset + s.nbytes for s in layout), default=0)
         if end > self.slot_bytes:
             sizes = ", ".join(f"{s.name}={s.nbytes}" for s in layout)
             raise RingError(
                 f"batch needs {end} bytes ({sizes}, aligned to {SLOT_ALIGN}) but a slot holds {self.slot_bytes}"
             )
-        cuda = self.kind == "cuda"
-        for spec, t in zip(layout, tensors.values(), strict=True):
-            self._tensor(slot, spec).copy_(t, non_blocking=cuda)
-        if cuda:
+        views = self.view(slot, layout)
+        if SEQ_TAG in views:
+            views[SEQ_TAG].fill_(-1)
+        if self.kind == "cuda":
             self._events[slot] = _UNSEALED
-        return layout
+        return views
+
+    def end_write(self, slot: int, views: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], seq: int) -> None:
+        """Second half: copy `tensors` into their views (CUDA: asynchronous, on the current stream), set the
+        seq tag to `seq` and mark the end of the writes; publish once `is_written(slot)`."""
+        cuda = self.kind == "cuda"
+        for name, t in tensors.items():
+            views[name].copy_(t, non_blocking=cuda)
+        if SEQ_TAG in views:
+            views[SEQ_TAG].fill_(seq)
+        self.write_event(slot)
 
     def write_event(self, slot: int) -> None:
         """Mark the end of a slot's writes (CUDA: an event on the current stream; CPU: writes are done)."""
@@ -325,22 +328,6 @@ class SlotRing:
     def device(self) -> torch.device:
         """Where the ring's memory lives (cpu, or the ring's GPU as this process numbers it)."""
         return self._ring().device
-
-    def wait_reads(self, device: str | torch.device | None = None) -> None:
-        """Block until every copy queued out of this ring into `device` (the reader's own device) landed.
-
-        A copy out of a CUDA ring is queued on the ring GPU's current stream when it goes to the host or
-        between GPUs (torch runs a cross-device copy on the source's stream), and on the reader GPU's
-        stream when it comes from a CPU ring; so an event on each CUDA device involved is recorded on that
-        device's current stream and waited for. CPU ring to CPU: copies are synchronous, nothing to wait.
-        """
-        devices = {self._ring().device}
-        if device is not None:
-            devices.add(torch.device(device))
-        for dev in sorted((d for d in devices if d.type == "cuda"), key=str):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(dev))
-            event.synchronize()
 
     def view(self, slot: int, layout: list[TensorSpec]) -> dict[str, torch.Tensor]:
         """Views into `slot` as `layout` describes; the layout came off the wire, so bounds are checked."""

@@ -17,6 +17,7 @@ from common.ring_error import RingError
 _MIN_ALLOC = 20 << 20  # below this the caching allocator carves requests out of a shared 20 MiB segment
 _ROUND = 2 << 20  # large allocations are rounded to 2 MiB: ask for exactly that, so nothing is split off
 _attached: set[tuple[bytes, int]] = set()  # (ref counter file, offset) of the exports rebuilt here
+TORCH_FOR_ALLOCATOR_SETTINGS = "2.10"  # torch._C._accelerator_getAllocatorSettings (pytorch#165291, Oct 2025)
 
 
 def allocate(nbytes: int, device: str | torch.device) -> torch.Tensor:
@@ -27,6 +28,10 @@ def allocate(nbytes: int, device: str | torch.device) -> torch.Tensor:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     total = max(-(-nbytes // _ROUND) * _ROUND, _MIN_ALLOC)
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # pyproject.toml's torch floor says so too
+        raise RingError(f"a cuda ring needs torch >= {TORCH_FOR_ALLOCATOR_SETTINGS} (it turns expandable segments"
+                        " off around its allocation with torch._C._accelerator_get/setAllocatorSettings);"
+                        f" this is torch {torch.__version__}")
     previous = torch._C._accelerator_getAllocatorSettings()
     expandable = "expandable_segments:true" in previous.replace(" ", "").lower()
     if expandable:
@@ -43,7 +48,7 @@ def allocate(nbytes: int, device: str | torch.device) -> torch.Tensor:
 
 def _check_dedicated_segment(buf: torch.Tensor) -> None:
     ptr = buf.data_ptr()
-    for seg in torch.cuda.memory.memory_snapshot(include_traces=False):
+    for seg in torch.cuda.memory.memory_snapshot():  # no history is recorded here: it carries no traces
         if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
             if seg["address"] == ptr and seg["total_size"] == buf.numel():
                 return

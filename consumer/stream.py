@@ -1,7 +1,8 @@
 """A consumer's side of the hand-off: attach to the producer's ring once, then turn BATCH messages into
 batches copied out of their slots (slots released at once), until END.
 
-The trainer sees an iterator of `ReceivedBatch`; sessions, fencing and re-attachment stay in here.
+The trainer sees an iterator of `ReceivedBatch`; sessions, fencing and re-attachment stay in here; the
+copy itself (buffers, CUDA streams and events) is consumer/copy_out.py.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import torch
 
 from common.channel import ConsumerChannel, PeerLost
 from common.config import JobConfig
+from common.packed_batch import NAMES, PackedBatch
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome, describe
 from common.ring import SEQ_TAG, RingError, SlotRing, layout_from_wire
 from common.security import client_curve, private_dir
+from consumer.copy_out import CopyOut
 
 log = logging.getLogger("consumer")
 
@@ -38,18 +41,14 @@ class StopRequested(RuntimeError):
     """SIGTERM/SIGINT while waiting for the producer: give up the wait, the caller exits cleanly."""
 
 
-@dataclass(frozen=True)
-class ReceivedBatch:
-    """Tensors are views of the stream's copy-out buffers: valid until the next call to `next()`."""
+@dataclass
+class ReceivedBatch(PackedBatch):
+    """A batch copied out of its slot (`hidden` set; `cu_seqlens` on the host).
 
-    seq: int
-    data_epoch: int
-    sample_ids: list[int]
-    hidden: torch.Tensor  # [T, n·H] target dtype
-    input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] uint8
-    cu_seqlens: torch.Tensor  # [B+1] int32, on the host
-    received_at: float
+    Its tensors are views of the stream's reused copy-out buffers, valid until the next call to `next()`:
+    whoever keeps a batch past that copies it (consumer/copy_out.py says why and how CUDA overlaps)."""
+
+    received_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,9 +100,8 @@ class BatchStream:
         self.dropped_reused = 0  # batches discarded because their slot held another batch by the time we read it
         self.reattached = 0
         self.last_copy_s = 0.0  # copy-out time of the last batch, so callers can tell waiting from copying
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._copy: CopyOut | None = None  # made with the ring: it needs to know where the ring lives
         self._session_stalls = 0  # the channel's stall count when this session began
-        self._tag = torch.empty(1, dtype=torch.int64, pin_memory=device.type == "cuda")  # the slot's seq tag
 
     def _tcp_endpoint(self) -> str:
         path = self.job.run_paths.control_endpoint(self.producer)
@@ -148,6 +146,7 @@ class BatchStream:
             except RingError as err:
                 self.channel.send(Fail(f"cannot attach the ring: {err}"))
                 raise ConsumerRejected(f"cannot attach the producer's ring: {err}") from err
+            self._copy = CopyOut(self.device, self.ring.device, self.job.data.tokens_per_batch + 1)
         self.epoch = msg.epoch
         self._session_stalls = self.channel.stalls
         self.channel.send(Attached(self.epoch))
@@ -176,11 +175,11 @@ class BatchStream:
                 self._reattach(msg.reason)
 
     def _copy_out(self, msg: Batch, received_at: float) -> ReceivedBatch | None:
-        assert self.ring is not None
+        assert self.ring is not None and self._copy is not None
         start = time.perf_counter()
         try:
             views = self.ring.view(msg.slot, layout_from_wire(msg.layout))
-            missing = {"hidden", "input_ids", "loss_mask", "cu_seqlens"} - views.keys()
+            missing = set(NAMES) - views.keys()
             if missing:
                 raise RingError(f"layout lacks {sorted(missing)}")
         except RingError as err:
@@ -188,22 +187,19 @@ class BatchStream:
             self._release(msg)
             return None
         tag = views.pop(SEQ_TAG, None)
-        out = {name: self._buffer(name, v).copy_(v, non_blocking=True) for name, v in views.items()}
-        if tag is not None:  # read after the data: a rewrite begun before this read has already changed it
-            self._tag.copy_(tag, non_blocking=True)
-        # the slot may be reused once released: the reads (the tag's on the ring GPU's stream, the data's
-        # on ours) must be complete, on every device they were queued on
-        self.ring.wait_reads(self.device)
+        # when copy() returns the reads are complete (the slot may be reused once released) and the tag,
+        # read after the data, is in host memory
+        out, seq_tag = self._copy.copy(views, tag)
         if self.channel.stalled_since(received_at) or self.channel.stalls != self._session_stalls:
             # we may have been fenced while stopped and the slot rewritten under us: trust nothing of this
             # session, even a batch that reached us after we woke (it may have been sent before the fence)
             self.dropped_stale += 1
             self._reattach("this process stalled past the heartbeat bound")
             return None
-        if tag is not None and int(self._tag[0]) != msg.seq:  # host memory: no device sync
+        if seq_tag is not None and seq_tag != msg.seq:
             self.dropped_reused += 1
             log.error("batch %d: slot %d holds seq tag %d, so it was reused before we read it; dropping the"
-                      " batch and re-attaching", msg.seq, msg.slot, int(self._tag[0]))
+                      " batch and re-attaching", msg.seq, msg.slot, seq_tag)
             self._reattach("a slot was reused under this session")
             return None
         self._release(msg)
@@ -211,20 +207,8 @@ class BatchStream:
         if self.prof:
             self.prof.add("copy_out", self.last_copy_s)
         self.channel.last_seq = msg.seq
-        return ReceivedBatch(msg.seq, msg.data_epoch, msg.sample_ids, out["hidden"], out["input_ids"],
-                             out["loss_mask"], out["cu_seqlens"], received_at)
-
-    def _buffer(self, name: str, view: torch.Tensor) -> torch.Tensor:
-        """Copy-out buffers are allocated once at the largest batch's size and reused."""
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != view.dtype or buf.shape[1:] != view.shape[1:] or buf.shape[0] < view.shape[0]:
-            rows = max(view.shape[0], self.job.data.tokens_per_batch + 1)
-            # cu_seqlens sizes the step on the host: copying it there here, where the copy-out already
-            # waits for its reads, spares the trainer a device sync of its own on every step
-            device = "cpu" if name == "cu_seqlens" else self.device
-            buf = torch.empty((rows, *view.shape[1:]), dtype=view.dtype, device=device)
-            self._buffers[name] = buf
-        return buf[: view.shape[0]]
+        return ReceivedBatch(msg.seq, msg.data_epoch, msg.sample_ids, **{n: out[n] for n in NAMES},
+                             received_at=received_at)
 
     def _release(self, msg: Batch) -> None:
         self.channel.send(Release(self.epoch, [(msg.seq, msg.slot)]))

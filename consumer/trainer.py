@@ -268,7 +268,11 @@ class Trainer:
 
     def accumulate(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, seq: int) -> None:
         """Forward and backward of one packed batch; its gradients add up until `optimizer_step`.
-        (Replica groups decide when to step together, so they call the two halves themselves.)"""
+        (Replica groups decide when to step together, so they call the two halves themselves.)
+
+        The tensors are the caller's and may be reused once this returns (consumer/stream.py hands out views
+        of its copy-out buffers, valid until the next batch): unsharded, the batch is consumed here; under
+        FSDP, whose forward waits for the group's step, the trainer keeps its own copy of what it defers."""
         T = input_ids.numel()
         if hidden.shape != (T, self.arch.num_features * self.arch.hidden_size):
             raise ValueError(
@@ -280,7 +284,7 @@ class Trainer:
             self.prof.count("tokens", T)
             self.prof.count("batches", 1)
         if self.mesh is not None:  # FSDP: run in lockstep with the group at optimizer_step
-            self._deferred.append((hidden, input_ids, loss_mask, cu_seqlens))
+            self._deferred.append((hidden.clone(), input_ids.clone(), loss_mask.clone(), cu_seqlens.clone()))
             return
         self._forward_backward(hidden, input_ids, loss_mask, cu_seqlens)
 

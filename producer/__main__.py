@@ -12,20 +12,21 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from common.accounting import DeliveryLedger
 from common.config import ConfigError, JobConfig, load_job
 from common.joblock import JobLocked, enter
 from common.launch_plan import producer_name
 from common.profile import ProfileStats
-from common.ring import RingError
+from common.ring import RingError, SlotRing
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
 from producer.data import ChatDataset, ChatEncoder, DataError, HubSelection, RecordLimits
 from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
-from producer.service import ProducerService
+from producer.service import ProducerService, create_ring
 from producer.target import TargetLoadError, load_target
 from producer.tp import LeaderTarget, TPRank, TPSetupError, distributed_config, ep_shard, follow, init_group
 
@@ -50,6 +51,17 @@ def batch_stream(dataset: ChatDataset, plan: BatchPlan, depth: int, stride: int 
                 yield batch
 
     return batches_from
+
+
+def ring_before_target(job: JobConfig, node: int, replica: int) -> SlotRing | None:
+    """The ring sized from the target's config.json, made before the target loads (producer/service.py
+    `create_ring` says why); None when the config cannot be read (load_target then names the problem)."""
+    try:
+        hidden = int(AutoConfig.from_pretrained(job.target.path, local_files_only=True).get_text_config().hidden_size)
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+    n = len(job.target.layer_ids) if job.target.layer_ids else job.target.num_features
+    return create_ring(job, replica, job.ring_name(node, replica), n * hidden, job.target.dtype)
 
 
 def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatDataset, BatchPlan]:
@@ -92,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
     tp_group = None  # tensor parallelism (producer/tp.py): the group's command channels
+    ring = None
     try:
         job = load_job(args.job)
         if not 0 <= args.replica < job.target.replicas:
@@ -105,8 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         if tp.rank == 0 and os.path.abspath(args.job) != str(job.run_paths.job_copy.resolve()):
             shutil.copyfile(args.job, job.run_paths.job_copy)
         device = job.target.devices_of(args.replica)[tp.rank]
+        if device.startswith("cuda"):  # before anything touches CUDA: bare "cuda" tensors, stats and UUIDs are its
+            torch.cuda.set_device(device)
         if tp.world > 1:
             tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
+        if tp.rank == 0:
+            ring = ring_before_target(job, args.node_rank, args.replica)
         target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
                              device, job.target.attn_implementation, distributed_config(job.target))
         if job.target.ep_size > 1:
@@ -115,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
             if tp_group is not None:
                 tp_group.started()  # the followers wait for this before their first command
-    except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError) as err:
+    except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError, RingError) as err:
         log.error("%s", err)
+        if ring is not None:
+            ring.close()
         return 2
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", tp.rank, tp.world, device)
@@ -136,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                                 [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist())
         service = ProducerService(
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches, job.target.replicas), len(plan),
-            ring_name=job.ring_name(args.node_rank, args.replica),
+            ring_name=job.ring_name(args.node_rank, args.replica), ring=ring,
             prof=prof, stats=stats, ledger=ledger, launch_id=lock.launch_id, node=args.node_rank, replica=args.replica,
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)
+        if ring is not None:
+            ring.close()  # the service closes it on its own failures; closing twice is harmless
         if isinstance(target, LeaderTarget):
             target.stop()
         return 2

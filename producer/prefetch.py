@@ -12,35 +12,17 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
+from common.packed_batch import PackedBatch
 from producer.data import ChatDataset, SampleReader
 from producer.plan import PlannedBatch
 
 
-@dataclass
-class PackedBatch:
-    """One batch as the ring stores it: sequences end to end, no padding."""
-
-    seq: int
-    epoch: int
-    sample_ids: tuple[int, ...]
-    input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] uint8
-    cu_seqlens: torch.Tensor  # [B+1] int32, on the host
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.sample_ids)
-
-
 def pack_batch(reader: SampleReader, planned: PlannedBatch) -> PackedBatch:
+    """One planned batch as the ring stores it (common/packed_batch.py): sequences end to end, no padding;
+    `hidden` stays None, the target forward writes it straight into the slot."""
     ids: list[int] = []
     mask: list[int] = []
     cu = [0]

@@ -14,15 +14,14 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from common.accounting import DeliveryLedger
 from common.channel import PeerLost, ProducerChannel, Received
-from common.config import JobConfig, required_slot_bytes
+from common.config import JobConfig
 from common.host_memory import keep_freed_memory
+from common.packed_batch import FIELDS, PackedBatch, required_slot_bytes, slot_items
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
-from common.ring import DTYPES, SEQ_TAG, SlotRing, TensorSpec, layout_to_wire, plan_layout
+from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.slot_table import SlotTable
 from producer.delivery import Delivery
@@ -32,15 +31,6 @@ from producer.tp import LeaderTarget
 log = logging.getLogger("producer")
 
 POLL_S = 0.05
-
-
-class PackedBatch(Protocol):
-    seq: int
-    epoch: int  # pass over the data
-    sample_ids: list[int]
-    input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] uint8/bool
-    cu_seqlens: torch.Tensor  # [B+1] int32
 
 
 class StatsSink(Protocol):
@@ -57,14 +47,17 @@ class ProducerCounters:
 
 
 def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
-    """Where a packed batch's tensors lie in a slot; the features come first and largest."""
-    return plan_layout([
-        ("hidden", feature_dtype, (tokens, feature_width)),
-        ("input_ids", "int64", (tokens,)),
-        ("loss_mask", "uint8", (tokens,)),
-        ("cu_seqlens", "int32", (sequences + 1,)),
-        (SEQ_TAG, "int64", (1,)),  # fits the slot's sample-id allowance (common.config.required_slot_bytes)
-    ])
+    """Where a packed batch's tensors lie in a slot (common/packed_batch.py describes them)."""
+    return plan_layout(slot_items(tokens, sequences, feature_width, feature_dtype))
+
+
+def create_ring(job: JobConfig, replica: int, ring_name: str, feature_width: int, feature_dtype: str) -> SlotRing:
+    """The ring of target replica `replica`, on its first device, sized for the job's largest batch. The
+    producer makes it before the target loads: a CUDA ring must be the first allocation on its GPU, alone in
+    its allocator segment (common/ring_cuda.py), which a loaded target's cached blocks can prevent."""
+    slot_bytes = job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, feature_width, feature_dtype)
+    return SlotRing.create(job.transport_kind, job.transport.slots, slot_bytes, name=ring_name,
+                           device=job.target.devices_of(replica)[0])
 
 
 class ProducerService:
@@ -76,6 +69,7 @@ class ProducerService:
         total_batches: int,
         *,
         ring_name: str,
+        ring: SlotRing | None = None,
         prof: ProfileStats | None = None,
         stats: StatsSink | None = None,
         ledger: DeliveryLedger | None = None,
@@ -85,7 +79,8 @@ class ProducerService:
     ):
         """`ledger`: the job log every delivered batch is appended to (common/accounting.py); `launch_id`: the
         launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank;
-        `replica`: which target replica it is (it makes the seqs replica, replica + replicas, ... of the plan)."""
+        `replica`: which target replica it is (it makes the seqs replica, replica + replicas, ... of the plan);
+        `ring`: made by `create_ring` before the target loaded (None: made here), owned by the service now."""
         self.job = job
         self.launch_id = launch_id
         self.node = node
@@ -99,15 +94,18 @@ class ProducerService:
             keep_freed_memory()  # each forward's activations reuse the last forward's pages (common/host_memory.py)
         self.feature_dtype = str(target.dtype).removeprefix("torch.")
         assert self.feature_dtype in DTYPES
-        slot_bytes = job.transport.slot_bytes or required_slot_bytes(
-            job.data.tokens_per_batch, target.feature_width, self.feature_dtype
-        )
         t = job.transport
-        private_dir(job.run_paths.sockets)  # whoever can write there can talk to us: this user alone
-        curve = server_curve(job.run_paths) if t.use_curve else None
-        self.ring = SlotRing.create(
-            job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.devices_of(replica)[0]
-        )
+        self.ring = ring or create_ring(job, replica, ring_name, target.feature_width, self.feature_dtype)
+        need = required_slot_bytes(job.data.tokens_per_batch, target.feature_width, self.feature_dtype)
+        try:
+            if self.ring.slot_bytes < need:
+                raise RingError(f"the ring's slots hold {self.ring.slot_bytes} bytes, the loaded target's largest"
+                                f" batch needs {need} ({target.feature_width} {self.feature_dtype} features per token)")
+            private_dir(job.run_paths.sockets)  # whoever can write there can talk to us: this user alone
+            curve = server_curve(job.run_paths) if t.use_curve else None
+        except BaseException:
+            self.ring.close()
+            raise
         self.table = SlotTable(job.transport.slots)
         self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group,
                                  stride=job.target.replicas, offset=replica)
@@ -173,17 +171,12 @@ class ProducerService:
     def _write_slot(self, slot: int, batch: PackedBatch) -> list[TensorSpec]:
         tokens, seqs = int(batch.input_ids.shape[0]), int(batch.cu_seqlens.shape[0]) - 1
         layout = slot_layout(tokens, seqs, self.target.feature_width, self.feature_dtype)
-        views = self.ring.view(slot, layout)
-        views[SEQ_TAG].fill_(-1)  # before any write: a consumer still reading this slot sees it change
+        views = self.ring.begin_write(slot, layout)  # the seq tag is invalid from here on
         with self._timer("forward"):
             self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
         with self._timer("write_slot"):
-            cuda = self.ring.kind == "cuda"
-            views["input_ids"].copy_(batch.input_ids, non_blocking=cuda)
-            views["loss_mask"].copy_(batch.loss_mask, non_blocking=cuda)
-            views["cu_seqlens"].copy_(batch.cu_seqlens, non_blocking=cuda)
-            views[SEQ_TAG].fill_(batch.seq)
-            self.ring.write_event(slot)
+            from_host = {f.name: getattr(batch, f.name) for f in FIELDS if f.name != "hidden"}
+            self.ring.end_write(slot, views, from_host, batch.seq)
         while not self.ring.is_written(slot):  # CUDA: poll the event, keep serving messages meanwhile
             self._handle_messages(timeout_s=0.0005)
         return layout

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from common.config import SLOT_ALIGN
+from common.packed_batch import SEQ_TAG, SLOT_ALIGN
 from common.ring import (
     HEADER_BYTES,
     RingError,
@@ -21,6 +21,7 @@ from common.ring import (
     TensorSpec,
     layout_from_wire,
     layout_to_wire,
+    plan_layout,
     ring_path,
 )
 
@@ -46,29 +47,29 @@ def send(obj):
     sys.stdout.buffer.write(struct.pack("<I", len(data)) + data)
     sys.stdout.buffer.flush()
 
-ring = None
+ring = copier = None
 while True:
     req = recv()
     try:
         if req["op"] == "attach":
             ring = SlotRing.attach(req["handle"], device=req.get("device"))
             send({"ok": True})
-        elif req["op"] == "copy_out":  # as consumer/stream.py copies a batch out, then a check without sync
+        elif req["op"] == "copy_out":  # as consumer/stream.py copies a batch out (consumer/copy_out.py)
+            from consumer.copy_out import CopyOut
             dev = torch.device(req["device"])
             torch.cuda.set_device(dev)  # the reader's own GPU is the current one, as in a consumer
+            if copier is None:
+                copier = CopyOut(dev, ring.device, 1)
             views = ring.view(req["slot"], layout_from_wire(req["layout"]))
-            with torch.cuda.device(ring.device):  # the ring GPU's stream is busy: queued copies wait
-                torch.cuda._sleep(req["sleep_cycles"])
-            on_dev = {k: torch.empty(v.shape, dtype=v.dtype, device=dev) for k, v in views.items()}
-            on_host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in views.items()}
-            for t in on_host.values():
-                t.reshape(-1).view(torch.uint8).fill_(0xAB)  # stale bytes, should the copy not have landed
-            for k, v in views.items():
-                on_dev[k].copy_(v, non_blocking=True)
-                on_host[k].copy_(v, non_blocking=True)  # like the seq tag: queued on the ring GPU's stream
-            ring.wait_reads(dev)
-            host = {k: digest(t) for k, t in on_host.items()}  # host memory read now, no device sync
-            send({"ok": True, "host": host, "device": {k: digest(t) for k, t in on_dev.items()}})
+            for bufset in copier.sets.sets:
+                for t in bufset.tensors.values():
+                    t.reshape(-1).view(torch.uint8).fill_(0xAB)  # stale bytes, should the copy not have landed
+            torch.cuda.synchronize(dev)
+            with torch.cuda.device(ring.device):  # the ring GPU's default stream is busy: the copies must not
+                torch.cuda._sleep(req["sleep_cycles"])  # be queued there, behind it, unwaited for
+            out, _ = copier.copy(views, None)
+            host = {k: digest(t) for k, t in out.items() if t.device.type == "cpu"}  # read now, no device sync
+            send({"ok": True, "host": host, "device": {k: digest(t) for k, t in out.items()}})
         elif req["op"] == "digest":
             views = ring.view(req["slot"], layout_from_wire(req["layout"]))
             send({"ok": True, "digests": {k: digest(v) for k, v in views.items()},
@@ -146,6 +147,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.int32]
 def random_batch(gen: torch.Generator, count: int) -> dict[str, torch.Tensor]:
     """`count` tensors of mixed dtypes and random shapes (0-d and empty included)."""
     batch = {"hidden": torch.randn(150, 64, generator=gen).bfloat16()}  # most of a 32 KiB slot
+    batch["cu_seqlens"] = torch.randint(0, 150, (5,), generator=gen, dtype=torch.int32)  # a consumer's host field
     for i in range(count):
         dtype = DTYPES[i % len(DTYPES)]
         ndim = int(torch.randint(0, 4, (1,), generator=gen))
@@ -159,13 +161,20 @@ def random_batch(gen: torch.Generator, count: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+def write(ring: SlotRing, slot: int, tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    """The producer's write path (producer/service.py): begin_write, copies, end_write."""
+    layout = plan_layout([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()])
+    views = ring.begin_write(slot, layout)
+    ring.end_write(slot, views, tensors, seq=slot)
+    return layout
+
+
 def write_round(ring: SlotRing, gen: torch.Generator) -> list[tuple[int, list, dict]]:
     """Fill every slot; returns (slot, wire layout, expected digests) per slot."""
     rounds = []
     for slot in range(ring.num_slots):
         batch = random_batch(gen, 12)
-        layout = ring.write(slot, batch)
-        ring.write_event(slot)
+        layout = write(ring, slot, batch)
         rounds.append((slot, layout_to_wire(layout), {k: digest(v) for k, v in batch.items()}))
     for slot in range(ring.num_slots):
         while not ring.is_written(slot):  # CUDA: the producer polls the event, never synchronises
@@ -261,14 +270,24 @@ def test_layout_round_trips_through_msgpack():
 
 def test_batch_that_does_not_fit_names_the_sizes(name):
     with SlotRing.create("cpu", 1, 1024, name=name) as ring:
-        ring.write(0, {"a": torch.zeros(200, dtype=torch.uint8), "b": torch.zeros(768, dtype=torch.uint8)})
+        write(ring, 0, {"a": torch.zeros(200, dtype=torch.uint8), "b": torch.zeros(768, dtype=torch.uint8)})
         with pytest.raises(RingError, match=r"needs 1025 bytes \(a=200, b=769"):
-            ring.write(
-                0, {"a": torch.zeros(200, dtype=torch.uint8), "b": torch.zeros(769, dtype=torch.uint8)}
-            )
+            write(ring, 0, {"a": torch.zeros(200, dtype=torch.uint8), "b": torch.zeros(769, dtype=torch.uint8)})
         with pytest.raises(RingError, match="complex64"):
-            ring.write(0, {"c": torch.zeros(2, dtype=torch.complex64)})
+            write(ring, 0, {"c": torch.zeros(2, dtype=torch.complex64)})
         assert ring.is_written(0)
+
+
+def test_the_seq_tag_is_invalid_between_begin_and_end_of_a_write(name):
+    layout = plan_layout([("x", "float32", (4,)), (SEQ_TAG, "int64", (1,))])
+    with SlotRing.create("cpu", 1, 1024, name=name) as ring:
+        views = ring.begin_write(0, layout)
+        assert int(views[SEQ_TAG][0]) == -1
+        ring.end_write(0, views, {"x": torch.arange(4.0)}, seq=7)
+        assert int(ring.view(0, layout)[SEQ_TAG][0]) == 7
+        assert torch.equal(ring.view(0, layout)["x"], torch.arange(4.0))
+        views = ring.begin_write(0, layout)  # a rewrite: a late reader of seq 7 sees the tag change first
+        assert int(ring.view(0, layout)[SEQ_TAG][0]) == -1
 
 
 def test_full_shm_fails_at_create_with_sizes(name):
@@ -334,7 +353,7 @@ def test_cuda_canary_mismatch_is_rejected(name, child):
         assert not reply["ok"] and "not visible" in reply["error"]
         assert child.ask(op="attach", handle=ring.handle()) == {"ok": True}
         with pytest.raises(RingError, match="write_event"):
-            ring.write(0, {"x": torch.ones(4, device="cuda:0")})
+            ring.begin_write(0, plan_layout([("x", "float32", (4,))]))
             ring.is_written(0)
         assert child.exit() == 0
     finally:
@@ -350,10 +369,11 @@ def test_cuda_canary_mismatch_is_rejected(name, child):
                      id="other-gpu"),
     ],
 )
-def test_cuda_ring_copy_out_is_complete_once_wait_reads_returns(name, child, reader):
-    """Ring on cuda:0 in this process; the reader process copies each slot to its own GPU and to pinned host
-    memory while the ring GPU's stream is held back by a sleep kernel: after wait_reads every host byte
-    must be the slot's (with an event on the reader's GPU only, the host copies would still be pending)."""
+def test_cuda_ring_copy_out_is_complete_once_copy_returns(name, child, reader):
+    """Ring on cuda:0 in this process; the reader process copies each slot out (consumer/copy_out.py: to its
+    GPU, cu_seqlens-like host fields to pinned memory) while the ring GPU's default stream is held back by a
+    sleep kernel: when copy() returns every byte must be the slot's (copies queued on that default stream
+    would still be pending behind the sleep)."""
     ring = SlotRing.create("cuda", 2, 32 << 10, name=name, device="cuda:0")
     try:
         gen = torch.Generator().manual_seed(1)
@@ -361,18 +381,11 @@ def test_cuda_ring_copy_out_is_complete_once_wait_reads_returns(name, child, rea
         for slot, layout, expected in write_round(ring, gen):
             reply = child.ask(op="copy_out", slot=slot, layout=layout, device=reader, sleep_cycles=300_000_000)
             assert reply["ok"], reply
-            assert reply["host"] == expected
             assert reply["device"] == expected
+            assert reply["host"] == {"cu_seqlens": expected["cu_seqlens"]}
         assert child.exit() == 0
     finally:
         ring.close()
-
-
-def test_wait_reads_on_a_cpu_ring_read_on_the_cpu_needs_no_cuda(name):
-    with SlotRing.create("cpu", 1, 4096, name=name, shm_dir=SHM) as ring:
-        assert ring.device == torch.device("cpu")
-        ring.wait_reads(None)
-        ring.wait_reads("cpu")
 
 
 def test_ring_modules_do_not_import_each_other_in_a_circle():

@@ -1,20 +1,30 @@
 """One replica of a two-process gloo group on the CPU that trains the same batch schedule three ways:
 replicas without sharding (the DDP-like all-reduce path), FSDP2 straight through, and FSDP2 with a
-checkpoint and a resume halfway. Rank 0 saves what the test compares.
+checkpoint and a resume halfway; then a schedule of three batches per step both ways, the FSDP run taking
+its batches through a real BatchStream (a CPU ring and control socket of its own, served by a thread here),
+as ConsumerService feeds the trainer. Rank 0 saves what the test compares.
 
     python -m tests.procs.fsdp_worker TARGET_DIR BATCHES.pt OUT_DIR RANK WORLD PORT
 """
 
 from __future__ import annotations
 
+import secrets
 import sys
+import threading
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from common.channel import ProducerChannel, Received
+from common.config import parse_job
+from common.packed_batch import required_slot_bytes, slot_items
+from common.protocol import Attached, Batch, Hello, Release, Welcome
+from common.ring import SlotRing, layout_to_wire, plan_layout
 from consumer.checkpoint import load_latest, save_checkpoint
 from consumer.distributed import GroupEnv, ReplicaGroup, RoundFlags
+from consumer.stream import BatchStream, ReceivedBatch
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from tests.test_drafter_common import LAYER_IDS, drafter_cfg
@@ -29,6 +39,42 @@ SCHEDULE = [
     {0: [4], 1: [5]},
 ]
 RESUME_AT = 3  # steps before the checkpoint in the resumed run
+# tokens_per_step spanning three rounds: each rank's three batches of a step come one per round
+STREAM_SCHEDULE = [
+    {0: [0, 1, 2], 1: [3, 4, 5]},
+    {0: [6, 7, 1], 1: [2, 0, 4]},
+    {0: [5, 3, 7], 1: [6, 1, 0]},
+]
+HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 0.2, 60.0  # a loaded machine must not fence anyone
+
+
+def wait_message(channel: ProducerChannel, kind: type, timeout_s: float = 120.0) -> Received:
+    while True:
+        ev = channel.recv(timeout_s)
+        if ev is None:
+            raise TimeoutError(f"no {kind.__name__} within {timeout_s} s")
+        if isinstance(ev, Received) and isinstance(ev.msg, kind):
+            return ev
+
+
+def serve_batches(channel: ProducerChannel, ring: SlotRing, batches: list, order: list[int]) -> None:
+    """The producer's side by hand: WELCOME, then `batches[order[n]]` as seq n into the ring's slots, a
+    slot reused as soon as its release came (the consumer releases right after its copy-out)."""
+    hello = wait_message(channel, Hello)
+    channel.send(hello.peer, Welcome(1, "cpu", ring.num_slots, ring.slot_bytes, ring.handle(), HEARTBEAT_S,
+                                     HEARTBEAT_TIMEOUT_S))
+    wait_message(channel, Attached)
+    free = list(range(ring.num_slots))
+    for seq, i in enumerate(order):
+        while not free:
+            free += [slot for _seq, slot in wait_message(channel, Release).msg.pairs]
+        slot = free.pop(0)
+        hidden, input_ids, loss_mask, cu_seqlens = batches[i]
+        layout = plan_layout(slot_items(input_ids.numel(), cu_seqlens.numel() - 1, hidden.shape[1], "float32"))
+        views = ring.begin_write(slot, layout)
+        ring.end_write(slot, views, {"hidden": hidden, "input_ids": input_ids, "loss_mask": loss_mask,
+                                     "cu_seqlens": cu_seqlens}, seq)
+        channel.send(hello.peer, Batch(1, seq, slot, 0, layout_to_wire(layout), [seq], input_ids.numel(), -1))
 
 
 def full(t):
@@ -63,6 +109,50 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
             seen.append({"params": params, "grad_norm": float(t._grad_norm), "step": t.step})
         return seen
 
+    def run_rounds(t: Trainer, next_batch) -> list[dict]:
+        """As ConsumerService: one batch per round, a step once the group's tokens reach tokens_per_step."""
+        seen = []
+        for _ in STREAM_SCHEDULE:
+            group_tokens = 0
+            while group_tokens < t.cfg.tokens_per_step:
+                hidden, input_ids, loss_mask, cu_seqlens, seq = next_batch()
+                t.accumulate(hidden, input_ids, loss_mask, cu_seqlens, seq=seq)
+                group_tokens += world * input_ids.numel()  # every batch of the schedule has the same T
+            t.optimizer_step(seq)
+            seen.append({"params": {n: full(p) for n, p in t.model.named_parameters()},
+                         "grad_norm": float(t._grad_norm), "step": t.step})
+        return seen
+
+    order = [i for step in STREAM_SCHEDULE for i in step[rank]]
+    tokens_per_step = 3 * world * batches[0][1].numel()
+    cfg = cfg.model_copy(update={"tokens_per_step": tokens_per_step})
+    direct = iter(order)
+    stream_ddp = run_rounds(trainer(False), lambda: (*batches[next(direct)], 0))
+    job = parse_job({"job": {"run_dir": str(out / f"stream-r{rank}")}, "target": {"path": "x"}, "data": {"path": "y"},
+                     "drafters": [{"name": "d0"}],
+                     "transport": {"heartbeat_interval_s": HEARTBEAT_S, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}})
+    job.run_paths.make()
+    width = batches[0][0].shape[1]
+    ring = SlotRing.create("cpu", 2, required_slot_bytes(job.data.tokens_per_batch, width, "float32"),
+                           name=f"fsdp-{secrets.token_hex(6)}")
+    channel = ProducerChannel(job.run_paths.ipc(job.run_paths.control_socket(0)), HEARTBEAT_S, HEARTBEAT_TIMEOUT_S)
+    server = threading.Thread(target=serve_batches, args=(channel, ring, batches, order), daemon=True)
+    server.start()
+    stream = BatchStream(job, "d0", 0, torch.device("cpu"), resume_seq=lambda: 0)
+    stream.connect()
+
+    def from_stream():
+        item = stream.next(timeout_s=120)
+        assert isinstance(item, ReceivedBatch), item
+        return item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.seq
+
+    stream_fsdp = run_rounds(trainer(True), from_stream)
+    server.join(60)
+    stream.close()
+    channel.close()
+    ring.close()
+    cfg = cfg.model_copy(update={"tokens_per_step": 0})
+
     replicas = run(trainer(False), range(len(SCHEDULE)))
     straight_trainer = trainer(True)
     straight = run(straight_trainer, range(len(SCHEDULE)))
@@ -88,7 +178,8 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     resumed_state = resumed_trainer.state_dict() if group.is_writer else None
     if group.is_writer:
         torch.save({"replicas": replicas, "straight": straight, "resumed": resumed, "straight_state": straight_state,
-                    "resumed_state": resumed_state}, out / "result.pt")
+                    "resumed_state": resumed_state, "stream_ddp": stream_ddp,
+                    "stream_fsdp": stream_fsdp}, out / "result.pt")
     group.close()
     return 0
 
