@@ -112,6 +112,9 @@ class DataConfig(_Section):
     length_group_window: Annotated[int, Field(ge=1)] = 64  # batches sorted by length within this window
     prefetch_batches: Annotated[int, Field(ge=1)] = 8  # tokenized batches kept ahead of the forward
     shard_by_node: bool = True  # multi-node jobs: each node reads its own disjoint shard
+    # the run folder's batch plan by name: a new name starts a new plan (changed data) from the drafters'
+    # current weights, with a fresh cursor; a rerun of a changed plan under the same name is refused
+    lineage: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)] = "main"
 
     @model_validator(mode="after")
     def _budget_holds_a_sequence(self) -> DataConfig:
