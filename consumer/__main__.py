@@ -19,7 +19,14 @@ from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
-from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
+from consumer.checkpoint import (
+    NoIntactCheckpoint,
+    ShapeMismatch,
+    check_shape,
+    checkpoint_bytes,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup, StepTrace
 from consumer.fanin import FanIn
 from consumer.group_cursor import GroupCursor
@@ -117,11 +124,12 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
     try:
         resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
         if resumed is not None:
+            check_shape(resumed[1], trainer, resumed[0])  # a changed drafter shape: one line, exit 2
             trainer.load_state_dict(resumed[1], resumed[0])
         # a new data.lineage trains a new plan from these weights, from a fresh cursor (common/accounting.py)
         lineages, same_plan = resume_lineage(resumed[1] if resumed else None, job.data.lineage,
                                              resumed[0] if resumed else "")
-    except (NoIntactCheckpoint, NonFiniteCheckpointError, LineageError) as err:
+    except (NoIntactCheckpoint, NonFiniteCheckpointError, ShapeMismatch, LineageError) as err:
         log.error("%s", err)
         return 2
     cursor = GroupCursor.fresh(env.nnodes, job.target.replicas)  # one cursor per producer of each node
