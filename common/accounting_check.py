@@ -47,10 +47,15 @@ class LineageReport:
     complete: bool = False
 
     def describe(self) -> str:
-        counts = list(dict.fromkeys(self.epochs_planned))
-        plan = f"{counts[0]} epoch(s) planned" if len(counts) == 1 else \
-            "plan grew by epochs " + " → ".join(map(str, counts)) + " (the epochs they share are equal)" \
-            if counts == sorted(counts) else "epochs changed " + " → ".join(map(str, counts))
+        planned = self.epochs_planned
+        counts = [n for i, n in enumerate(planned) if i == 0 or planned[i - 1] != n]  # each change once
+        steps = " → ".join(map(str, counts))
+        if len(counts) <= 1:
+            plan = f"{steps or 'no'} epoch(s) planned"
+        elif counts == sorted(counts):
+            plan = f"plan grew by epochs {steps} (the epochs they share are equal)"
+        else:
+            plan = f"epochs changed {steps}"
         return (f"lineage {self.lineage!r}: {self.trained_batches} batches, {self.epochs_complete} whole epochs"
                 f" verified, {plan}{'; complete' if self.complete else ''}")
 
