@@ -21,9 +21,8 @@ from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from consumer.checkpoint import (
     NoIntactCheckpoint,
-    ShapeMismatch,
-    check_shape,
     checkpoint_bytes,
+    drafter_shape,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -31,6 +30,7 @@ from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, Replic
 from consumer.fanin import FanIn
 from consumer.group_cursor import GroupCursor
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
+from consumer.shape import ShapeMismatch, check_shape
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
@@ -124,7 +124,7 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
     try:
         resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
         if resumed is not None:
-            check_shape(resumed[1], trainer, resumed[0])  # a changed drafter shape: one line, exit 2
+            check_shape(resumed[1], drafter_shape(trainer), cfg.name, resumed[0])  # changed: one line, exit 2
             trainer.load_state_dict(resumed[1], resumed[0])
         # a new data.lineage trains a new plan from these weights, from a fresh cursor (common/accounting.py)
         lineages, same_plan = resume_lineage(resumed[1] if resumed else None, job.data.lineage,

@@ -3,7 +3,8 @@
     <ckpt_root>/step_<N>/config.json         the drafter config SGLang / vLLM / transformers read
                          model.safetensors   trained weights only (no embedding, no lm_head), export dtype
                          dflash.py           modeling file for AutoModel + trust_remote_code
-                         trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq
+                         trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq,
+                                             the drafter's shape (consumer/shape.py)
                          manifest.json       size and xxh3-128 digest of each file above, written last
     <ckpt_root>/latest                       "step_<N>", replaced atomically after the directory is complete
 
@@ -39,6 +40,7 @@ from safetensors.torch import save_file
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
 from consumer.model import DrafterArch
+from consumer.shape import shape_from_config
 from consumer.target_parts import TargetParts
 
 EXPORT_MODULE = Path(__file__).parent / "export" / "dflash.py"
@@ -404,60 +406,10 @@ def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
     return ckpt
 
 
-# ---------------------------------------------------------------------------------------------- drafter shape
-# what a checkpoint's weights and optimizer state depend on: key -> (its place in config.json, the job key)
-SHAPE_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
-    "block_size": (("block_size",), "drafters.block_size"),
-    "num_layers": (("num_hidden_layers",), "drafters.num_layers"),
-    "layer_types": (("layer_types",), "drafters.layer_types"),
-    "sliding_window": (("sliding_window",), "drafters.sliding_window"),
-    "target_layer_ids": (("dflash_config", "target_layer_ids"), "target.layer_ids or target.num_features"),
-    "mask_token_id": (("dflash_config", "mask_token_id"), "drafters.mask_token_id, or the tokenizer's"),
-    "hidden_size": (("hidden_size",), "the target's hidden_size (target.path)"),
-    "intermediate_size": (("intermediate_size",), "the target's intermediate_size (target.path)"),
-    "num_attention_heads": (("num_attention_heads",), "the target's num_attention_heads (target.path)"),
-    "num_key_value_heads": (("num_key_value_heads",), "the target's num_key_value_heads (target.path)"),
-    "head_dim": (("head_dim",), "the target's head_dim (target.path)"),
-    "vocab_size": (("vocab_size",), "the target's vocab_size (target.path)"),
-    "optimizer": ((), "the optimizer (AdamW)"),  # trainer_state only: not in config.json
-}
-
-
-class ShapeMismatch(ValueError):
-    """A checkpoint trained with another drafter shape than the job's: one line naming the key and both values."""
-
-
-def shape_from_config(config: dict) -> dict:
-    """The shape keys an export config.json carries (a checkpoint written before trainer_state had "shape")."""
-    shape = {}
-    for key, (where, _) in SHAPE_KEYS.items():
-        value: object = config
-        for part in where:
-            value = value.get(part) if isinstance(value, dict) else None
-        if where and value is not None:
-            shape[key] = value
-    return shape
-
 
 def drafter_shape(trainer) -> dict:
-    """The shape keys of `trainer` (what save_checkpoint records in trainer_state.pt as "shape")."""
+    """The shape keys of `trainer` (consumer/shape.py), as save_checkpoint records them in trainer_state.pt."""
     config = export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
                            mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
                            dtype=trainer.cfg.dtype)
     return {**shape_from_config(config), "optimizer": type(trainer.optimizer).__name__}
-
-
-def check_shape(state: dict, trainer, source: str) -> None:
-    """ShapeMismatch unless the checkpoint state (its "shape", or for an older one the shape its config.json
-    gave, see load_latest) fits `trainer`'s drafter; keys the checkpoint does not record are not compared."""
-    theirs, mine = state.get("shape") or {}, drafter_shape(trainer)
-    for key, (_, job_key) in SHAPE_KEYS.items():
-        if key in theirs and key in mine and _plain(theirs[key]) != _plain(mine[key]):
-            raise ShapeMismatch(
-                f"drafter {trainer.cfg.name}: {source} was trained with {key} = {theirs[key]!r}, this job has {key} ="
-                f" {mine[key]!r} ({job_key}): its weights and optimizer state do not fit; set it back to"
-                f" {theirs[key]!r}, or train the new shape in a new run folder (job.run_dir)")
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value

@@ -21,14 +21,14 @@ from consumer.checkpoint import (
     MANIFEST,
     STATE_FILE,
     NoIntactCheckpoint,
-    ShapeMismatch,
-    check_shape,
+    drafter_shape,
     load_latest,
     resume_checkpoint,
     save_checkpoint,
     write_manifest,
 )
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.shape import ShapeMismatch, check_shape
 from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, NonFiniteTrainingError, Trainer
 
@@ -238,9 +238,9 @@ def test_a_changed_drafter_shape_is_one_line_naming_the_key_and_both_values(setu
     path = save_checkpoint(tmp_path, trainer)
     state = load_latest(tmp_path).state
     assert state["shape"]["num_layers"] == 1 and state["shape"]["optimizer"] == "AdamW"
-    check_shape(state, _trainer(setup), str(path))  # the same shape: nothing to say
+    check_shape(state, drafter_shape(_trainer(setup)), "d0", str(path))  # the same shape: nothing to say
     with pytest.raises(ShapeMismatch) as err:
-        check_shape(state, _trainer(setup, **job), str(path))
+        check_shape(state, drafter_shape(_trainer(setup, **job)), "d0", str(path))
     assert str(err.value) == (f"drafter d0: {path} was trained with {key} = {was!r}, this job has {key} = {now!r}"
                               f" (drafters.{key}): its weights and optimizer state do not fit; set it back to"
                               f" {was!r}, or train the new shape in a new run folder (job.run_dir)")
@@ -257,5 +257,5 @@ def test_a_checkpoint_from_before_recorded_shapes_is_checked_against_its_config_
     old = load_latest(tmp_path).state
     assert "optimizer" not in old["shape"] and old["shape"]["num_layers"] == 1  # from config.json
     with pytest.raises(ShapeMismatch, match="was trained with num_layers = 1, this job has num_layers = 2"):
-        check_shape(old, _trainer(setup, num_layers=2), str(path))
-    check_shape(old, _trainer(setup), str(path))
+        check_shape(old, drafter_shape(_trainer(setup, num_layers=2)), "d0", str(path))
+    check_shape(old, drafter_shape(_trainer(setup)), "d0", str(path))
