@@ -21,6 +21,9 @@ down when a consumer dies. Faults, one at a time, each followed by a wait for re
                      within seconds (exit 0, or killed by the signal before its handler exists), comes back
   checkpoint_corrupt SIGKILL consumer d0, then damage its newest checkpoint (truncate trainer_state.pt, or
                      NaN into model.safetensors); the restart must say so and resume from the previous one
+  data_changed       SIGKILL the producer and change the data file (a record appended, or the lines
+                     shuffled): its restarts must refuse the changed plan (exit 2, naming the data) and train
+                     nothing; then the file is restored and the next restart resumes, nothing lost or repeated
 Recovery time: from the fault's effect (kill, SIGCONT, the failed save's exit, the last hostile message)
 to the affected process being back in service (the producer attached the consumer again; telemetry wrote a
 window with every source live; the producer delivered again). A recovered consumer must also train a step:
@@ -52,7 +55,8 @@ from common.accounting_check import check_run
 from common.config import load_job
 
 KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
-         "checkpoint_enospc", "producer_kill", "second_launch", "startup_sigterm", "checkpoint_corrupt")
+         "checkpoint_enospc", "producer_kill", "second_launch", "startup_sigterm", "checkpoint_corrupt",
+         "data_changed")
 RECOVERY_TIMEOUT_S = 180.0
 ENOSPC_DRAFTER = "d1"
 CORRUPT_DRAFTER = "d0"  # not the tmpfs one
@@ -257,6 +261,46 @@ class Chaos:
         if "resuming from the previous intact checkpoint" not in self.watch.tail(name, 200):
             raise AssertionError(f"{name} resumed, but its log does not say it fell back past {newest.name}")
         return took
+
+    def data_changed(self) -> float:
+        prod, data = self.sup.procs["producer"], Path(self.sup.job.data.path)
+        original, refused = data.read_bytes(), self.watch.count("producer", PLAN_REFUSED)
+        batches = self.watch.count_deliveries()
+        pid = prod.pid
+        os.kill(pid, signal.SIGKILL)  # first: the running producer re-reads records by position
+        prod.wait_exit(pid, timeout=RECOVERY_TIMEOUT_S)
+        seen = len(prod.exits)  # the exits from here on are the restarts'
+        how = self.rng.choice(("appended", "shuffled"))
+        lines = original.decode().splitlines(keepends=True)
+        changed = lines + lines[:1] if how == "appended" else self.rng.sample(lines, len(lines))
+        replace_file(data, "".join(changed).encode())
+        try:
+            def refused_and_exited() -> float | None:
+                said = self.watch.count("producer", PLAN_REFUSED) > refused
+                return time.time() if said and len(prod.exits) > seen else None
+
+            self.watch._wait(refused_and_exited, RECOVERY_TIMEOUT_S, "the restarted producer to refuse the changed data")
+            exits = [st for _t, _p, st in prod.exits[seen:seen + 1]]
+            if exits != [2] or self.watch.count_deliveries() != batches:
+                raise AssertionError(f"the changed plan ({how}) was not refused before training: exit {exits},"
+                                     f" {self.watch.count_deliveries() - batches} batches delivered")
+        finally:
+            replace_file(data, original)  # the same bytes again (a new mtime): the same plan
+        self.notes[f"data_changed_{how}_refused"] += 1
+        t0 = time.time()
+        delivered = self.watch.wait_delivery(after=t0, timeout=RECOVERY_TIMEOUT_S)
+        back = [self._back(name, t0) for name in self.sup.consumers]
+        return max(delivered - t0, *back)
+
+
+PLAN_REFUSED = "changed since its last start"  # producer/fingerprint.py's refusal
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `path` whole and atomically (a producer starting meanwhile reads the old or the new file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def corrupt_checkpoint(path: Path, rng: random.Random) -> str:

@@ -257,6 +257,11 @@ class JobWatch:
 
         return self._wait(find, timeout, f"attachment of {drafter}")
 
+    def count_deliveries(self) -> int:
+        """Batch records in the job log so far."""
+        self._scan()
+        return len(self._deliveries)
+
     def wait_delivery(self, after: float, timeout: float) -> float:
         return self._wait(lambda: next((t for t in self._deliveries if t > after), None), timeout, "delivery")
 

@@ -4,12 +4,21 @@ checkpoints hold. `common/accounting_check.py` reads it back and checks it.
     <run_dir>/accounting/<role>-<name>-<pid>-<token>.jsonl     one file per process incarnation
 
 Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
-    producer  plan        node, total_batches, epochs [{epoch, first_seq, batches}], samples, digest
-              batch       node, seq, epoch, samples [ids], to [[drafter, replica, session], ...]
-    consumer  start       drafter, rank, world, base (id of the checkpoint resumed from, or null), base_step
+    producer  plan        node, lineage, total_batches, epochs [{epoch, first_seq, batches}], samples, digest,
+                          fingerprint (producer/fingerprint.py: every input of the plan but epochs)
+              batch       node, lineage, seq, epoch, samples [ids], to [[drafter, replica, session], ...]
+    consumer  start       drafter, rank, world, base (id of the checkpoint resumed from, or null), base_step,
+                          lineage
               step        drafter, rank, step, seqs (this replica's batches in that optimizer step)
-              checkpoint  drafter, id, parent, step, trained {node: [seqs]}, producers, cursors, trained_above
+              checkpoint  drafter, id, parent, step, lineage, trained {node: [seqs]}, producers, cursors,
+                          trained_above
               saved       drafter, id (or null on a replica that does not write), step
+A record without "lineage" (written before data lineages) belongs to lineage "main".
+
+Data lineages (`data.lineage`): a lineage is one batch plan of the run folder, its seqs counted from 0. A
+new lineage starts from the drafters' current weights with a fresh cursor; a checkpoint record names its
+lineage, the checkpoint carries the lineages its chain went through, and the checker audits each lineage of
+the chain against its own plan and deliveries. A lineage is never resumed after another started.
 
 The chain: every checkpoint record names its parent (the previous successful save of this process, or the
 checkpoint it resumed from) and carries the seqs the replica group trained since that parent, repeats
@@ -49,6 +58,11 @@ from pathlib import Path
 from typing import Any
 
 ACCOUNTING_DIR = "accounting"
+DEFAULT_LINEAGE = "main"  # the lineage of records and checkpoints that name none
+
+
+class LineageError(ValueError):
+    """A job whose data.lineage its checkpoint cannot resume under (the message says why and what to set)."""
 
 
 def sample_digest(sample_ids: Iterable[int]) -> str:
@@ -86,9 +100,11 @@ class DeliveryLedger:
     """The producer's log: its plan once, then every batch with the sessions it went to."""
 
     def __init__(self, run_dir: str | Path, node: int, total_batches: int, epoch_batches: Sequence[int],
-                 sample_ids: Iterable[int]):
-        """`epoch_batches[e]`: batches in epoch e; `sample_ids`: this node's shard (the same every epoch)."""
+                 sample_ids: Iterable[int], *, lineage: str = DEFAULT_LINEAGE, fingerprint: dict | None = None):
+        """`epoch_batches[e]`: batches in epoch e; `sample_ids`: this node's shard (the same every epoch);
+        `lineage`, `fingerprint`: the data lineage and what defines its plan (producer/fingerprint.py)."""
         self.node = node
+        self.lineage = lineage
         ids = list(sample_ids)
         epochs, first = [], 0
         for e, n in enumerate(epoch_batches):
@@ -97,29 +113,47 @@ class DeliveryLedger:
         if first != total_batches:
             raise ValueError(f"the epochs hold {first} batches, the plan says {total_batches}")
         self.log = JobLog(run_dir, "producer", f"n{node}")
-        self.log.write("plan", {"node": node, "total_batches": total_batches, "epochs": epochs,
-                                "samples": len(ids), "digest": sample_digest(ids)})
+        self.log.write("plan", {"node": node, "lineage": lineage, "total_batches": total_batches, "epochs": epochs,
+                                "samples": len(ids), "digest": sample_digest(ids), "fingerprint": fingerprint})
 
     def delivered(self, seq: int, epoch: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
-        self.log.write("batch", {"node": self.node, "seq": seq, "epoch": epoch,
+        self.log.write("batch", {"node": self.node, "lineage": self.lineage, "seq": seq, "epoch": epoch,
                                  "samples": [int(s) for s in sample_ids], "to": [list(m) for m in to]})
 
     def close(self) -> None:
         self.log.close()
 
 
-class LedgerCheckpoint:
-    """What the consumer saves, plus its ledger record id in the trainer state (atomic with the checkpoint)."""
+def plan_records(run_dir: str | Path, node: int) -> list[dict]:
+    """The plan records this node's producer incarnations logged in `run_dir` (each file's first line), oldest
+    first; files without a whole first line (a producer killed at once) are skipped."""
+    found = []
+    for path in (Path(run_dir) / ACCOUNTING_DIR).glob(f"producer-n{node}-*.jsonl"):
+        with open(path, "rb") as f:
+            first = f.readline()
+        try:
+            rec = json.loads(first)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "plan" and rec.get("node") == node:
+            found.append(rec)
+    return sorted(found, key=lambda r: r["t"])
 
-    def __init__(self, what: Any, record_id: str):
+
+class LedgerCheckpoint:
+    """What the consumer saves, plus its ledger record id and its lineages in the trainer state (atomic with
+    the checkpoint)."""
+
+    def __init__(self, what: Any, record_id: str, lineages: Sequence[str] = (DEFAULT_LINEAGE,)):
         self._what = what
         self._record_id = record_id
+        self._lineages = list(lineages)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._what, name)
 
     def state_dict(self) -> dict:
-        return {**self._what.state_dict(), "ledger": {"id": self._record_id}}
+        return {**self._what.state_dict(), "ledger": {"id": self._record_id, "lineages": self._lineages}}
 
 
 def per_node(flat: Sequence[Any], producers: int) -> list[tuple[Any, ...]]:
@@ -134,6 +168,23 @@ def ledger_id_of(state: dict | None) -> str | None:
     return entry.get("id") if isinstance(entry, dict) else None
 
 
+def resume_lineage(state: dict | None, lineage: str, source: str = "the checkpoint") -> tuple[list[str], bool]:
+    """(the lineages of a run resumed from `state` under data.lineage = `lineage`, whether it continues the
+    checkpoint's cursor). False: a new lineage, trained from the checkpoint's weights with a fresh cursor.
+    A lineage the checkpoint's chain left for another: LineageError."""
+    if state is None:
+        return [lineage], True
+    entry = state.get("ledger")
+    history = list(entry.get("lineages") or [DEFAULT_LINEAGE]) if isinstance(entry, dict) else [DEFAULT_LINEAGE]
+    if history[-1] == lineage:
+        return history, True
+    if lineage in history:
+        raise LineageError(f"{source} trained data lineage {lineage!r} and then {history[history.index(lineage) + 1]!r}:"
+                           f" a lineage is never resumed once another started; set data.lineage = \"{history[-1]}\""
+                           " to go on, or a new name to start another")
+    return [*history, lineage], False
+
+
 class TrainLedger:
     """A consumer's log: its steps, and for the writing replica the chain of checkpoints.
 
@@ -143,11 +194,15 @@ class TrainLedger:
     """
 
     def __init__(self, run_dir: str | Path, drafter: str, rank: int, world_size: int, *,
-                 base: str | None, base_step: int, resumed_from: str | None = None):
+                 base: str | None, base_step: int, resumed_from: str | None = None,
+                 lineages: Sequence[str] = (DEFAULT_LINEAGE,)):
         """`base`: ledger id of the checkpoint resumed from (None for a fresh start); `resumed_from`: its path
-        (named in the log when a checkpoint older than the ledger carries no id)."""
+        (named in the log when a checkpoint older than the ledger carries no id); `lineages`: the data lineages
+        of the chain, the last one this run's (resume_lineage)."""
         self.drafter = drafter
         self.rank = rank
+        self.lineages = list(lineages)
+        self.lineage = self.lineages[-1]
         self.log = JobLog(run_dir, "consumer", f"{drafter}-r{rank}")
         if base is None and resumed_from is not None:
             base = f"unaccounted:{resumed_from}"
@@ -156,7 +211,7 @@ class TrainLedger:
         self._count = 0
         self._attempt: str | None = None
         self.log.write("start", {"drafter": drafter, "rank": rank, "world": world_size, "base": base,
-                                 "base_step": base_step, "pid": os.getpid()})
+                                 "base_step": base_step, "pid": os.getpid(), "lineage": self.lineage})
 
     def stepped(self, step: int, seqs: Sequence[int]) -> None:
         self.log.write("step", {"drafter": self.drafter, "rank": self.rank, "step": step, "seqs": list(seqs)})
@@ -173,12 +228,12 @@ class TrainLedger:
         record_id = f"{self.drafter}:{self.log.incarnation}:{what.step}:{self._count}"
         self.log.write("checkpoint", {
             "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(what.step),
-            "trained": {str(n): s for n, s in sorted(self._pending.items())},
+            "lineage": self.lineage, "trained": {str(n): s for n, s in sorted(self._pending.items())},
             "producers": producers, "cursors": [int(c) for c in cursors],
             "trained_above": [[int(s) for s in a] for a in trained_above],
         })
         self._attempt = record_id
-        return LedgerCheckpoint(what, record_id)
+        return LedgerCheckpoint(what, record_id, self.lineages)
 
     def saved(self, step: int) -> None:
         """The save returned: its record becomes the parent of the next one."""

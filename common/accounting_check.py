@@ -13,6 +13,10 @@ chain of checkpoint records back to a fresh start and collect the seqs trained a
   - every epoch the lineage covers entirely holds exactly the plan's sample set (count and digest);
   - crash losses: steps that crashed incarnations trained after their last checkpoint; each must be in the
     lineage exactly once (trained again after resume).
+Data lineages (common/accounting.py): the chain is cut where its checkpoint records change lineage, and each
+part is checked as above against its own lineage's plan and deliveries. A node's plan records of one lineage
+must agree on every input but `epochs`, and epoch by epoch on the epochs they share: a plan that grew by
+epochs (data.epochs raised) is checked as its longest version, "complete" against its newest.
 """
 
 from __future__ import annotations
@@ -26,10 +30,34 @@ from pathlib import Path
 
 import torch
 
-from common.accounting import ACCOUNTING_DIR, ledger_id_of, per_node, sample_digest
+from common.accounting import ACCOUNTING_DIR, DEFAULT_LINEAGE, ledger_id_of, per_node, sample_digest
 
 LATEST = "latest"  # consumer/checkpoint.py's pointer file (common never imports a role)
 STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class LineageReport:
+    """One data lineage of a drafter's chain."""
+
+    lineage: str
+    trained_batches: int = 0
+    epochs_complete: int = 0
+    epochs_planned: list[int] = field(default_factory=list)  # epoch counts of its plan records, oldest first
+    complete: bool = False
+
+    def describe(self) -> str:
+        planned = self.epochs_planned
+        counts = [n for i, n in enumerate(planned) if i == 0 or planned[i - 1] != n]  # each change once
+        steps = " → ".join(map(str, counts))
+        if len(counts) <= 1:
+            plan = f"{steps or 'no'} epoch(s) planned"
+        elif counts == sorted(counts):
+            plan = f"plan grew by epochs {steps} (the epochs they share are equal)"
+        else:
+            plan = f"epochs changed {steps}"
+        return (f"lineage {self.lineage!r}: {self.trained_batches} batches, {self.epochs_complete} whole epochs"
+                f" verified, {plan}{'; complete' if self.complete else ''}")
 
 
 @dataclass
@@ -49,6 +77,7 @@ class DrafterReport:
     complete: bool = False  # the lineage reaches the end of the plan on every node
     crash_lost_batches: int = 0  # trained by incarnations after their last checkpoint, lost with them
     crash_lost_retrained: int = 0  # of those, trained (once) in the final lineage
+    lineages: list[LineageReport] = field(default_factory=list)  # the data lineages of the chain, oldest first
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -126,25 +155,50 @@ def check_run(run_dir: str | Path, logs_from: list[str | Path] = ()) -> Accounti
     return report
 
 
-def _plans(records: list[dict], errors: list[str]) -> dict[int, dict]:
-    plans: dict[int, dict] = {}
-    for r in records:
-        if r["kind"] != "plan":
+def _lineage(record: dict) -> str:
+    return record.get("lineage") or DEFAULT_LINEAGE
+
+
+PLAN_KEYS = ("samples", "digest")
+
+
+def _plans(records: list[dict], errors: list[str]) -> dict[tuple[str, int], dict]:
+    """(lineage, node) -> its plan: the longest epoch list its records logged ("epochs"), the newest record's
+    total ("latest_total") and every record's epoch count ("epochs_planned"). Records of one lineage that
+    differ in anything but the number of epochs are an error: a changed plan was resumed."""
+    plans: dict[tuple[str, int], dict] = {}
+    for r in sorted((r for r in records if r["kind"] == "plan"), key=lambda r: r["t"]):
+        key = (_lineage(r), r["node"])
+        plan = plans.get(key)
+        if plan is None:
+            plans[key] = {**{k: r[k] for k in PLAN_KEYS}, "epochs": list(r["epochs"]), "fingerprint": r.get("fingerprint"),
+                          "latest_total": r["total_batches"], "epochs_planned": [len(r["epochs"])]}
             continue
-        key = {k: r[k] for k in ("total_batches", "epochs", "samples", "digest")}
-        if r["node"] in plans and plans[r["node"]] != key:
-            errors.append(f"node {r['node']}: producer incarnations logged different plans ({r['src']})")
-        plans.setdefault(r["node"], key)
+        shared = min(len(plan["epochs"]), len(r["epochs"]))
+        fp_old, fp_new = plan["fingerprint"], r.get("fingerprint")
+        changed = [k for k in PLAN_KEYS if plan[k] != r[k]]
+        if plan["epochs"][:shared] != r["epochs"][:shared]:
+            changed.append("the batches of the epochs both plans have")
+        if fp_old is not None and fp_new is not None:
+            changed += [k for k in fp_new if k != "data_path" and fp_old.get(k) != fp_new.get(k)]
+        if changed:
+            errors.append(f"node {r['node']} lineage {key[0]!r}: producer incarnations logged different plans"
+                          f" ({r['src']}: {', '.join(dict.fromkeys(changed))} changed): a changed plan was resumed")
+        if len(r["epochs"]) > len(plan["epochs"]):
+            plan["epochs"] = list(r["epochs"])
+        plan["fingerprint"] = fp_new or fp_old
+        plan["latest_total"] = r["total_batches"]
+        plan["epochs_planned"].append(len(r["epochs"]))
     return plans
 
 
-def _deliveries(records: list[dict], errors: list[str]) -> dict[tuple[int, int], tuple[int, tuple, set[str]]]:
-    """(node, seq) -> (epoch, samples, drafters it went to); a seq re-sent with other samples is an error."""
-    out: dict[tuple[int, int], tuple[int, tuple, set[str]]] = {}
+def _deliveries(records: list[dict], errors: list[str]) -> dict[tuple[str, int, int], tuple[int, tuple, set[str]]]:
+    """(lineage, node, seq) -> (epoch, samples, drafters it went to); a seq re-sent with other samples is an error."""
+    out: dict[tuple[str, int, int], tuple[int, tuple, set[str]]] = {}
     for r in records:
         if r["kind"] != "batch":
             continue
-        key, samples = (r["node"], r["seq"]), tuple(r["samples"])
+        key, samples = (_lineage(r), r["node"], r["seq"]), tuple(r["samples"])
         prev = out.get(key)
         if prev is not None and (prev[0], prev[1]) != (r["epoch"], samples):
             errors.append(f"node {r['node']} seq {r['seq']}: delivered twice with different samples")
@@ -154,7 +208,7 @@ def _deliveries(records: list[dict], errors: list[str]) -> dict[tuple[int, int],
     return out
 
 
-def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict[int, dict],
+def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict[tuple[str, int], dict],
                    deliveries: dict) -> DrafterReport:
     rep = DrafterReport(drafter)
     mine = [r for r in records if r.get("drafter") == drafter]
@@ -167,7 +221,7 @@ def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict
     if rep.final_checkpoint is not None and final_id is None:
         rep.errors.append(f"{rep.final_checkpoint} carries no ledger id: it was written without accounting")
         return rep
-    lineage, seen, node_seqs = [], set(), defaultdict(list)
+    chain, seen = [], set()  # the final checkpoint's lineage of checkpoint records, newest first
     rid = final_id
     while rid is not None:
         rec = by_id.get(rid)
@@ -175,18 +229,39 @@ def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict
             rep.errors.append(f"lineage broken: no checkpoint record {rid!r}" if rec is None else f"cycle at {rid}")
             return rep
         seen.add(rid)
-        lineage.append(rec)
+        chain.append(rec)
         rid = rec["parent"]
-    rep.lineage_checkpoints = len(lineage)
-    for rec in reversed(lineage):
-        for node, seqs in rec["trained"].items():
-            node_seqs[int(node)].extend(seqs)
-    cursors = _final_cursors(lineage[0]) if lineage else {}
-    rep.complete = bool(cursors) and all(
-        n in plans and min(c) >= plans[n]["total_batches"] for n, c in cursors.items())
-    for node, seqs in sorted(node_seqs.items()):
-        _check_node(rep, drafter, node, seqs, cursors.get(node, ()), plans.get(node), deliveries)
-    _check_crash_losses(rep, mine, node_seqs)
+    rep.lineage_checkpoints = len(chain)
+    parts: list[tuple[str, list[dict]]] = []  # the chain cut by data lineage, oldest first
+    for rec in reversed(chain):
+        if parts and parts[-1][0] == _lineage(rec):
+            parts[-1][1].append(rec)
+        elif any(name == _lineage(rec) for name, _ in parts):
+            rep.errors.append(f"lineage {_lineage(rec)!r} resumed after {parts[-1][0]!r} ({rec['id']}): its cursor"
+                              " was gone")
+            return rep
+        else:
+            parts.append((_lineage(rec), [rec]))
+    in_chain: Counter = Counter()
+    for name, recs in parts:
+        node_seqs: dict[int, list[int]] = defaultdict(list)
+        for rec in recs:
+            for node, seqs in rec["trained"].items():
+                node_seqs[int(node)].extend(seqs)
+        cursors = _final_cursors(recs[-1])
+        first_plan = next((p for (ln, _), p in sorted(plans.items()) if ln == name), None)  # the lowest node's
+        part = LineageReport(name, epochs_planned=list(first_plan["epochs_planned"]) if first_plan else [])
+        part.complete = bool(cursors) and all(
+            (name, n) in plans and min(c) >= plans[name, n]["latest_total"] for n, c in cursors.items())
+        before = (rep.trained_batches, rep.epochs_complete)
+        for node, seqs in sorted(node_seqs.items()):
+            _check_node(rep, drafter, node, seqs, cursors.get(node, ()), plans.get((name, node)), deliveries, name)
+        part.trained_batches = rep.trained_batches - before[0]
+        part.epochs_complete = rep.epochs_complete - before[1]
+        rep.lineages.append(part)
+        in_chain.update((name, s) for seqs in node_seqs.values() for s in seqs)
+    rep.complete = bool(rep.lineages) and rep.lineages[-1].complete
+    _check_crash_losses(rep, mine, in_chain)
     return rep
 
 
@@ -196,22 +271,23 @@ def _final_cursors(record: dict) -> dict[int, tuple[int, ...]]:
 
 
 def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cursors: tuple[int, ...],
-                plan: dict | None, deliveries: dict) -> None:
-    """`cursors`: the node's final cursor per producer (producer p's seqs are ≡ p mod len(cursors))."""
+                plan: dict | None, deliveries: dict, lineage: str = DEFAULT_LINEAGE) -> None:
+    """`cursors`: the node's final cursor per producer (producer p's seqs are ≡ p mod len(cursors)), in
+    data lineage `lineage`."""
     counts = Counter(seqs)
     rep.trained_batches += len(seqs)
     rep.duplicate_batches += sum(c - 1 for c in counts.values() if c > 1)
     missing = [s for p, c in enumerate(cursors) for s in range(p, c, len(cursors)) if s not in counts]
     rep.missing_batches += len(missing)
     for s in missing:
-        got = deliveries.get((node, s))
+        got = deliveries.get((lineage, node, s))
         rep.lost_samples += len(got[1]) if got else 1  # never delivered: at least one sample
     if plan is None:
-        rep.errors.append(f"node {node}: no plan record from its producer")
+        rep.errors.append(f"node {node}: no plan record from its producer (lineage {lineage!r})")
         return
     per_epoch: dict[int, Counter] = defaultdict(Counter)
     for s, times in counts.items():
-        got = deliveries.get((node, s))
+        got = deliveries.get((lineage, node, s))
         if got is None or drafter not in got[2]:
             rep.undelivered_batches += 1
             continue
@@ -224,21 +300,22 @@ def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cu
             rep.epochs_complete += 1
             if len(samples) != plan["samples"] or sample_digest(samples) != plan["digest"]:
                 rep.epochs_mismatched += 1
-                rep.errors.append(f"node {node} epoch {e['epoch']}: {len(samples)} distinct samples trained,"
-                                  f" the plan has {plan['samples']} (or another set)")
+                rep.errors.append(f"node {node} lineage {lineage!r} epoch {e['epoch']}: {len(samples)} distinct"
+                                  f" samples trained, the plan has {plan['samples']} (or another set)")
 
 
-def _check_crash_losses(rep: DrafterReport, mine: list[dict], node_seqs: dict[int, list[int]]) -> None:
-    """Steps an incarnation trained after its last successful save, when it did not end cleanly."""
+def _check_crash_losses(rep: DrafterReport, mine: list[dict], in_chain: Counter) -> None:
+    """Steps an incarnation trained after its last successful save, when it did not end cleanly; `in_chain`
+    counts the chain's (lineage, seq)s. An incarnation's steps are in the lineage its start record names."""
     by_src: dict[str, list[dict]] = defaultdict(list)
     for r in mine:
         by_src[r["src"]].append(r)
-    in_lineage = Counter(s for seqs in node_seqs.values() for s in seqs)
     for recs in by_src.values():
+        name = next((_lineage(r) for r in recs if r["kind"] == "start"), DEFAULT_LINEAGE)
         saved = max((r["step"] for r in recs if r["kind"] == "saved"), default=-1)
         lost = [s for r in recs if r["kind"] == "step" and r["step"] > saved for s in r["seqs"]]
         rep.crash_lost_batches += len(lost)
-        rep.crash_lost_retrained += sum(in_lineage[s] == 1 for s in lost)
+        rep.crash_lost_retrained += sum(in_chain[name, s] == 1 for s in lost)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                   f" lost samples {d.lost_samples}, undelivered {d.undelivered_batches}, epochs mismatched"
                   f" {d.epochs_mismatched}, lost in crashes {d.crash_lost_batches} (retrained"
                   f" {d.crash_lost_retrained}){'; complete' if d.complete else ''}")
+            if len(d.lineages) > 1 or any(len(set(p.epochs_planned)) > 1 for p in d.lineages):
+                for part in d.lineages:
+                    print(f"    {part.describe()}")
             for e in d.errors:
                 print(f"    {e}")
         for e in report.errors:

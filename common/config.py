@@ -122,6 +122,9 @@ class DataConfig(_Section):
     # record; a sample is cut at max_length tokens, so nothing near this size is ever trained whole
     max_record_bytes: Annotated[int, Field(ge=1024)] = 16 << 20
     record_time_limit_s: Annotated[float, Field(gt=0)] = 60.0  # a safety net: encoding is linear in the record
+    # the run folder's batch plan by name: a new name starts a new plan (changed data) from the drafters'
+    # current weights, with a fresh cursor; a rerun of a changed plan under the same name is refused
+    lineage: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)] = "main"
 
     @model_validator(mode="after")
     def _budget_holds_a_sequence(self) -> DataConfig:

@@ -13,17 +13,24 @@ import sys
 
 import torch
 
-from common.accounting import TrainLedger, ledger_id_of
+from common.accounting import LineageError, TrainLedger, ledger_id_of, resume_lineage
 from common.config import ConfigError, dflash_layer_ids, load_job
 from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
-from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
+from consumer.checkpoint import (
+    NoIntactCheckpoint,
+    checkpoint_bytes,
+    drafter_shape,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup, StepTrace
 from consumer.fanin import FanIn
 from consumer.group_cursor import GroupCursor
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
+from consumer.shape import ShapeMismatch, check_shape
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
@@ -117,12 +124,19 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
     try:
         resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
         if resumed is not None:
+            check_shape(resumed[1], drafter_shape(trainer), cfg.name, resumed[0])  # changed: one line, exit 2
             trainer.load_state_dict(resumed[1], resumed[0])
-    except (NoIntactCheckpoint, NonFiniteCheckpointError) as err:
+        # a new data.lineage trains a new plan from these weights, from a fresh cursor (common/accounting.py)
+        lineages, same_plan = resume_lineage(resumed[1] if resumed else None, job.data.lineage,
+                                             resumed[0] if resumed else "")
+    except (NoIntactCheckpoint, NonFiniteCheckpointError, ShapeMismatch, LineageError) as err:
         log.error("%s", err)
         return 2
     cursor = GroupCursor.fresh(env.nnodes, job.target.replicas)  # one cursor per producer of each node
-    if resumed is not None:
+    if resumed is not None and not same_plan:
+        log.info("resumed the weights of %s (step %d) into data lineage %r (after %s): a new plan from seq 0",
+                 resumed[0], trainer.step, lineages[-1], ", ".join(map(repr, lineages[:-1])))
+    elif resumed is not None:
         where, state = resumed
         cursor = GroupCursor.from_state(state, env.nnodes, job.target.replicas, where)
         log.info("resumed from %s: step %d, next seq per producer %s", where, trainer.step,
@@ -152,7 +166,7 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         trace=StepTrace(trace_path, env.rank, env.node_rank) if trace_path else None,
         ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
                            base=ledger_id_of(resumed[1]) if resumed else None,
-                           resumed_from=resumed[0] if resumed else None),
+                           resumed_from=resumed[0] if resumed else None, lineages=lineages),
         stop=stop,
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),

@@ -3,7 +3,8 @@
     <ckpt_root>/step_<N>/config.json         the drafter config SGLang / vLLM / transformers read
                          model.safetensors   trained weights only (no embedding, no lm_head), export dtype
                          dflash.py           modeling file for AutoModel + trust_remote_code
-                         trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq
+                         trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq,
+                                             the drafter's shape (consumer/shape.py)
                          manifest.json       size and xxh3-128 digest of each file above, written last
     <ckpt_root>/latest                       "step_<N>", replaced atomically after the directory is complete
 
@@ -39,6 +40,7 @@ from safetensors.torch import save_file
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
 from consumer.model import DrafterArch
+from consumer.shape import shape_from_config
 from consumer.target_parts import TargetParts
 
 EXPORT_MODULE = Path(__file__).parent / "export" / "dflash.py"
@@ -201,7 +203,7 @@ def _save(root: Path, trainer, keep_last: int) -> Path:
         target_layer_ids=trainer.target_layer_ids,
         dtype=trainer.cfg.dtype,
     )
-    state = trainer.state_dict()
+    state = {**trainer.state_dict(), "shape": drafter_shape(trainer)}  # checked at resume (check_shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None
     try:
@@ -328,6 +330,11 @@ def _read_checked(path: Path) -> Checkpoint:
                     raise CheckpointCorrupt(f"{export}: non-finite {found} in the export")
     except (SafetensorError, OSError) as err:
         raise CheckpointCorrupt(f"{export} cannot be read: {err}") from None
+    if "shape" not in state:  # written before trainer_state recorded its shape: the export config says it
+        try:
+            state["shape"] = shape_from_config(json.loads((path / "config.json").read_text()))
+        except (OSError, ValueError) as err:
+            raise CheckpointCorrupt(f"{path / 'config.json'} is unreadable: {err}") from None
     return Checkpoint(path=path, step=step, state=state)
 
 
@@ -397,3 +404,12 @@ def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
     _fsync_dir(root)
     log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
     return ckpt
+
+
+
+def drafter_shape(trainer) -> dict:
+    """The shape keys of `trainer` (consumer/shape.py), as save_checkpoint records them in trainer_state.pt."""
+    config = export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
+                           mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
+                           dtype=trainer.cfg.dtype)
+    return {**shape_from_config(config), "optimizer": type(trainer.optimizer).__name__}

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from common.accounting import DeliveryLedger
+from common.accounting import DeliveryLedger, plan_records
 from common.config import ConfigError, JobConfig, load_job
 from common.joblock import JobLocked, enter
 from common.launch_plan import producer_name
@@ -24,6 +24,7 @@ from common.ring import RingError, SlotRing
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
 from producer.data import ChatDataset, ChatEncoder, DataError, HubSelection, RecordLimits
+from producer.fingerprint import check_plan, plan_fingerprint
 from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService, create_ring
@@ -84,6 +85,21 @@ def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatData
     return dataset, plan
 
 
+def checked_fingerprint(job: JobConfig, dataset: ChatDataset, node_rank: int, nnodes: int) -> dict:
+    """This node's plan fingerprint, checked against the run folder's earlier plans before anything trains
+    (producer/fingerprint.py: a changed plan raises PlanChanged naming the change)."""
+    start = time.perf_counter()
+    d, shards = job.data, nnodes if job.data.shard_by_node else 1
+    fingerprint = plan_fingerprint(
+        data_path=d.path, data_format=d.format, tokenizer_dir=d.tokenizer or job.target.path,
+        chat_template_kwargs=d.chat_template_kwargs, max_length=d.max_length, tokens_per_batch=d.tokens_per_batch,
+        length_group_window=d.length_group_window, seed=job.job.seed, shard=(node_rank % shards, shards),
+        lengths=dataset.lengths, data_files=dataset.files)
+    note = check_plan(plan_records(job.run_paths.root, node_rank), d.lineage, fingerprint, d.epochs, job.run_paths.root)
+    log.info("%s (plan fingerprint in %.2f s)", note, time.perf_counter() - start)
+    return fingerprint
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["regenerate"]:
@@ -130,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("rank %d: %s", tp.rank, ep_shard(target.model, job.target))
         if tp.rank == 0:
             dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
+            fingerprint = checked_fingerprint(job, dataset, args.node_rank, args.nnodes)
             if tp_group is not None:
                 tp_group.started()  # the followers wait for this before their first command
     except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError, RingError) as err:
@@ -152,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", name, interval, prof) if prof else None
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),
-                                [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist())
+                                [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist(),
+                                lineage=job.data.lineage, fingerprint=fingerprint)
         service = ProducerService(
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches, job.target.replicas), len(plan),
             ring_name=job.ring_name(args.node_rank, args.replica), ring=ring,

@@ -408,6 +408,12 @@ class ChatDataset:
     def __len__(self) -> int:
         return len(self.positions)
 
+    @property
+    def files(self) -> list[Path]:
+        """The files the samples come from: the data file, or a hub dataset's split shards in order."""
+        records = self.records
+        return [f.path for f in records.files] if isinstance(records, ShardedRecords) else [records.path]
+
     def reader(self) -> SampleReader:
         """A reader with its own file handle (one per thread)."""
         return SampleReader(self)

@@ -246,6 +246,11 @@ class ProducerService:
             else:
                 log.info("%s.r%d (pid %d) attached; its group resumes at seq %s", member.drafter, member.replica,
                          member.pid, self.delivery.groups[member.drafter].cursor)
+                if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
+                    log.warning("%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
+                                " checkpoint trained more epochs than the job now asks for; nothing is left to train"
+                                " for it", member.drafter, member.resume_seq, self.delivery.total_batches,
+                                self.job.data.epochs)
         elif isinstance(msg, Release):
             if self.delivery.member(peer, msg.epoch) is None:
                 self._stale(peer, msg)

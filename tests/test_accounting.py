@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.accounting import DeliveryLedger, JobLog, TrainLedger, ledger_id_of
+from common.accounting import DeliveryLedger, JobLog, LineageError, TrainLedger, ledger_id_of, resume_lineage
 from common.accounting_check import check_run, main
 
 # a plan of 2 epochs × 6 batches over samples 0..11, two samples a batch (epoch 1 in another order)
 EPOCHS = {0: [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)],
-          1: [(5, 2), (11, 0), (7, 9), (1, 3), (10, 4), (6, 8)]}
+          1: [(5, 2), (11, 0), (7, 9), (1, 3), (10, 4), (6, 8)],
+          2: [(3, 8), (0, 6), (9, 1), (4, 11), (2, 7), (5, 10)]}  # only in the plan that grew to 3 epochs
 TOTAL = 12
 
 
@@ -30,9 +31,10 @@ class FakeTrainer:
 class FakeRun:
     """A producer that delivers in order, and consumers whose 'checkpoints' are trainer_state.pt files."""
 
-    def __init__(self, root: Path, drafters=("d0",)):
+    def __init__(self, root: Path, drafters=("d0",), epochs=2, lineage="main", fingerprint=None):
         self.root = root
-        self.producer = DeliveryLedger(root, 0, TOTAL, [6, 6], range(12))
+        self.producer = DeliveryLedger(root, 0, 6 * epochs, [6] * epochs, range(12), lineage=lineage,
+                                       fingerprint=fingerprint)
         self.session = 0
         self.drafters = drafters
 
@@ -40,23 +42,24 @@ class FakeRun:
         self.session += 1
         self.producer.delivered(seq, seq // 6, samples_of(seq), [(drafter, 0, self.session)])
 
-    def consumer(self, drafter="d0"):
-        return FakeConsumer(self, drafter)
+    def consumer(self, drafter="d0", lineage="main"):
+        return FakeConsumer(self, drafter, lineage)
 
     def check(self):
         return check_run(self.root)
 
 
 class FakeConsumer:
-    def __init__(self, run: FakeRun, drafter: str):
+    def __init__(self, run: FakeRun, drafter: str, lineage: str = "main"):
         self.run, self.drafter = run, drafter
         self.ckpts = run.root / "checkpoints" / drafter
-        base, step = None, 0
+        base, step, state = None, 0, None
         if (self.ckpts / "latest").exists():
             state = torch.load(self.ckpts / (self.ckpts / "latest").read_text().strip() / "trainer_state.pt")
             base, step = ledger_id_of(state), state["step"]
+        self.lineages, self.same_plan = resume_lineage(state, lineage)
         self.trainer = FakeTrainer(step)
-        self.ledger = TrainLedger(run.root, drafter, 0, 1, base=base, base_step=step)
+        self.ledger = TrainLedger(run.root, drafter, 0, 1, base=base, base_step=step, lineages=self.lineages)
         self.since_save: list[int] = []
 
     def train(self, seq):
@@ -195,6 +198,104 @@ def test_two_nodes_without_a_shared_folder_are_checked_together(tmp_path):
     consumer.saved(2)
     consumer.close()
     alone = check_run(node_dirs[0]).drafters["d0"]
-    assert "node 1: no plan record from its producer" in alone.errors
+    assert "node 1: no plan record from its producer (lineage 'main')" in alone.errors
     both = check_run(node_dirs[0], [node_dirs[1]]).drafters["d0"]
     assert both.ok and both.complete and both.epochs_complete == 2 and both.trained_batches == 4
+
+
+def test_a_plan_grown_by_epochs_is_checked_as_its_longest_version(tmp_path):
+    """data.epochs raised 2 → 3 between runs: the first 2 epochs are the same batches, the third is appended;
+    before, the checker failed for good with "producer incarnations logged different plans"."""
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    for s in range(12):
+        a.train(s)
+    a.save()
+    run.producer.close()
+    run.producer = DeliveryLedger(tmp_path, 0, 18, [6, 6, 6], range(12))  # the rerun, epochs = 3
+    b = run.consumer()
+    assert b.same_plan
+    for s in range(12, 18):
+        b.train(s)
+    b.save()
+    report = run.check()
+    d0 = report.drafters["d0"]
+    assert report.ok, (report.errors, d0.errors)
+    assert d0.complete and d0.epochs_complete == 3 and d0.trained_batches == 18
+    assert [(p.lineage, p.epochs_planned, p.epochs_complete) for p in d0.lineages] == [("main", [2, 3], 3)]
+    assert d0.lineages[0].describe() == ("lineage 'main': 18 batches, 3 whole epochs verified, plan grew by epochs"
+                                         " 2 → 3 (the epochs they share are equal); complete")
+
+
+def test_epochs_lowered_after_they_were_trained_stays_exact_and_complete(tmp_path):
+    run = FakeRun(tmp_path, epochs=3)
+    a = run.consumer()
+    for s in range(18):
+        a.train(s)
+    a.save()
+    run.producer.close()
+    run.producer = DeliveryLedger(tmp_path, 0, 12, [6, 6], range(12))  # epochs = 2: nothing left to train
+    d0 = run.check().drafters["d0"]
+    assert d0.ok and d0.complete and d0.epochs_complete == 3
+    assert "epochs changed 3 → 2" in d0.lineages[0].describe()
+
+
+def test_a_changed_plan_resumed_under_the_same_lineage_is_an_error(tmp_path):
+    run = FakeRun(tmp_path, fingerprint={"version": 1, "data_xxh3_128": "aa", "data_path": "/d"})
+    a = run.consumer()
+    for s in range(3):
+        a.train(s)
+    a.save()
+    run.producer.close()
+    run.producer = DeliveryLedger(tmp_path, 0, 12, [6, 6], range(12),
+                                  fingerprint={"version": 1, "data_xxh3_128": "bb", "data_path": "/d"})
+    report = run.check()
+    assert not report.ok and len(report.errors) == 1
+    assert "lineage 'main': producer incarnations logged different plans" in report.errors[0]
+    assert "data_xxh3_128 changed): a changed plan was resumed" in report.errors[0]
+
+
+def test_a_new_lineage_starts_at_seq_0_from_the_weights_and_each_lineage_is_checked_alone(tmp_path):
+    """Lineage main trained 4 of 12 batches, then lineage "2" (changed data) trains its whole plan: the same seqs
+    again, but in another lineage, so no duplicates; lineage main is exact but incomplete, "2" complete."""
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    for s in range(4):
+        a.train(s)
+    a.save()
+    run.producer.close()
+    run.producer = DeliveryLedger(tmp_path, 0, 12, [6, 6], range(12), lineage="2")
+    b = run.consumer(lineage="2")
+    assert (b.lineages, b.same_plan) == (["main", "2"], False)
+    for s in range(12):
+        b.train(s)
+    b.save()
+    report = run.check()
+    d0 = report.drafters["d0"]
+    assert report.ok, (report.errors, d0.errors)
+    assert (d0.trained_batches, d0.duplicate_batches, d0.missing_batches, d0.epochs_complete) == (16, 0, 0, 2)
+    assert [(p.lineage, p.trained_batches, p.complete) for p in d0.lineages] == [("main", 4, False), ("2", 12, True)]
+    assert d0.complete
+    state = torch.load(tmp_path / "checkpoints" / "d0" / "step_16" / "trainer_state.pt")
+    assert state["ledger"]["lineages"] == ["main", "2"]
+    with pytest.raises(LineageError, match="trained data lineage 'main' and then '2'"):
+        resume_lineage(state, "main")
+    assert resume_lineage(state, "2") == (["main", "2"], True)
+    assert resume_lineage(state, "3") == (["main", "2", "3"], False)
+    assert resume_lineage({"step": 1}, "main") == (["main"], True)  # a checkpoint from before lineages
+
+
+def test_a_lineage_resumed_after_another_is_an_error(tmp_path):
+    run = FakeRun(tmp_path)
+    a = run.consumer()
+    a.train(0)
+    a.save()
+    b = run.consumer(lineage="2")
+    b.train(0)
+    b.save()
+    c = run.consumer(lineage="2")
+    c.ledger.lineage = "main"  # what resume_lineage refuses: written by hand
+    c.train(1)
+    c.save()
+    errors = run.check().drafters["d0"].errors
+    assert errors and errors[0].startswith("lineage 'main' resumed after '2'")

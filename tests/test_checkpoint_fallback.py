@@ -21,12 +21,14 @@ from consumer.checkpoint import (
     MANIFEST,
     STATE_FILE,
     NoIntactCheckpoint,
+    drafter_shape,
     load_latest,
     resume_checkpoint,
     save_checkpoint,
     write_manifest,
 )
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.shape import ShapeMismatch, check_shape
 from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, NonFiniteTrainingError, Trainer
 
@@ -221,3 +223,39 @@ def test_consumer_process_with_no_intact_checkpoint_exits_2_naming_the_folder(tm
     assert done.returncode == 2, done.stderr
     assert f"no intact checkpoint in {root.parent}: {root / MANIFEST} is missing" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("key, job, was, now", [
+    ("num_layers", {"num_layers": 2}, 1, 2),
+    ("block_size", {"block_size": 8}, 4, 8),
+    ("layer_types", {"layer_types": ["sliding_attention"], "sliding_window": 4}, ["full_attention"],
+     ["sliding_attention"]),
+])
+def test_a_changed_drafter_shape_is_one_line_naming_the_key_and_both_values(setup, tmp_path, key, job, was, now):
+    """Before: block_size was a ValueError traceback, num_layers torch's raw "Missing key(s) in state_dict"."""
+    trainer = _trainer(setup)
+    trainer.train_batch(*setup[1], seq=0)
+    path = save_checkpoint(tmp_path, trainer)
+    state = load_latest(tmp_path).state
+    assert state["shape"]["num_layers"] == 1 and state["shape"]["optimizer"] == "AdamW"
+    check_shape(state, drafter_shape(_trainer(setup)), "d0", str(path))  # the same shape: nothing to say
+    with pytest.raises(ShapeMismatch) as err:
+        check_shape(state, drafter_shape(_trainer(setup, **job)), "d0", str(path))
+    assert str(err.value) == (f"drafter d0: {path} was trained with {key} = {was!r}, this job has {key} = {now!r}"
+                              f" (drafters.{key}): its weights and optimizer state do not fit; set it back to"
+                              f" {was!r}, or train the new shape in a new run folder (job.run_dir)")
+
+
+def test_a_checkpoint_from_before_recorded_shapes_is_checked_against_its_config_json(setup, tmp_path):
+    trainer = _trainer(setup)
+    trainer.train_batch(*setup[1], seq=0)
+    path = save_checkpoint(tmp_path, trainer)
+    state = torch.load(path / STATE_FILE, weights_only=True)
+    del state["shape"]
+    torch.save(state, path / STATE_FILE)
+    write_manifest(path, ("config.json", "model.safetensors", "dflash.py", STATE_FILE))
+    old = load_latest(tmp_path).state
+    assert "optimizer" not in old["shape"] and old["shape"]["num_layers"] == 1  # from config.json
+    with pytest.raises(ShapeMismatch, match="was trained with num_layers = 1, this job has num_layers = 2"):
+        check_shape(old, drafter_shape(_trainer(setup, num_layers=2)), "d0", str(path))
+    check_shape(old, drafter_shape(_trainer(setup)), "d0", str(path))

@@ -13,7 +13,7 @@ import pytest
 
 from common.config import ConfigError, load_job
 from consumer.target_parts import load_target_parts
-from producer.__main__ import build_dataset
+from producer.__main__ import build_dataset, checked_fingerprint
 from tests.jobs import tiny_assets, write_job
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -90,6 +90,10 @@ def test_target_and_dataset_resolve_from_the_cache_offline(offline_cache):
     reader.close()
     expect = [dataset.encoder.encode(rows[i]["messages"])[:2] for i in (0, 19)]
     assert [first, last] == expect
+    shards = sorted((cache / "datasets--org--chats" / "snapshots" / COMMIT / "data").glob("train-*"))
+    fingerprint = checked_fingerprint(job, dataset, 0, 1)  # the plan identity covers both shards' bytes
+    assert dataset.files == shards and fingerprint["data_bytes"] == sum(f.stat().st_size for f in shards)
+    assert fingerprint["data_path"] == "org/chats"
 
 
 def test_split_and_subset_select_the_files_the_card_declares(offline_cache):

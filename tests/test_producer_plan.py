@@ -85,3 +85,12 @@ def test_shards_are_disjoint_cover_and_deterministic(count):
     assert sorted(seen) == list(range(n))
     with pytest.raises(ValueError, match="shard_index"):
         shard_sample_ids(n, 5, count, count)
+
+
+def test_the_batches_of_an_epoch_do_not_depend_on_the_number_of_epochs():
+    """Raising data.epochs appends epochs to the plan: the seqs already trained keep their samples."""
+    three, five = plan(epochs=3), plan(epochs=5)
+    assert as_tuples(five.batches_from(0))[:len(three)] == as_tuples(three.batches_from(0))
+    assert len(five) == len(three) + five.batches_per_epoch(3) + five.batches_per_epoch(4)
+    resumed = next(iter(five.batches_from(len(three))))
+    assert (resumed.seq, resumed.epoch) == (len(three), 3)
