@@ -22,6 +22,7 @@ from common.profile import ProfileStats
 from common.ring import RingError
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
+from common.supervisor import watch_supervisor
 from producer.data import ChatDataset, ChatEncoder, DataError
 from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
+    watch_supervisor()  # launch.sh's death becomes a SIGTERM: a graceful stop, never an orphan holding the job
     tp_group = None  # tensor parallelism (producer/tp.py): the group's command channels
     try:
         job = load_job(args.job)
