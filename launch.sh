@@ -4,7 +4,7 @@
 #   ./launch.sh                  build (once) and run the embedded demo job on the CPU, then evaluate it
 #   ./launch.sh JOB.toml         run a job
 #   ./launch.sh JOB.toml --dry-run           print the process list and the device map, and exit
-#   options: --grace SECONDS (default 60)    how long SIGINT/SIGTERM waits for checkpoints before SIGKILL
+#   options: --grace SECONDS (default 60)    how long a stop (SIGINT/SIGTERM/SIGHUP) waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
 #
