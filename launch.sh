@@ -4,16 +4,19 @@
 #   ./launch.sh                  build (once) and run the embedded demo job on the CPU, then evaluate it
 #   ./launch.sh JOB.toml         run a job
 #   ./launch.sh JOB.toml --dry-run           print the process list and the device map, and exit
-#   options: --grace SECONDS (default 60)    how long SIGINT/SIGTERM waits for checkpoints before SIGKILL
+#   options: --grace SECONDS (default 60)    how long a stop (SIGINT/SIGTERM/SIGHUP) waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
 #
-# One log per process in <run_dir>/logs/. SIGINT/SIGTERM are forwarded (consumers checkpoint at a step
-# boundary, then exit 0). When a critical process (producer, consumer) fails, the rest is torn down and
-# this script exits with its status. Telemetry is not critical: it is restarted if it dies.
+# One log per process in <run_dir>/logs/. SIGINT/SIGTERM/SIGHUP stop the group gracefully (consumers
+# checkpoint at a step boundary, then exit 0; this script exits 0 when every process did). When a critical
+# process (producer, consumer) fails, the rest is torn down and this script exits with its status.
+# Telemetry is not critical: it is restarted if it dies. If this script itself dies (SIGKILL), every process
+# gets SIGTERM from the kernel (common/supervisor.py) and stops the same graceful way.
 # The run folder is locked for the whole group (common/joblock.py): a second launch of the same job is
-# refused at once (exit 75) with the holder's pid. When the group ends, however it ended, the job's ring
-# in /dev/shm and its socket files are removed.
+# refused at once (exit 75) with the holder's pid; the orphans of a launch that died are stopped first.
+# When the group ends, the job's ring in /dev/shm and its socket files are removed (never while a process
+# of the group still runs); stale ones of an earlier launch are removed at the start.
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -34,7 +37,7 @@ while (($#)); do
     --node-rank) node_rank=$2; shift ;;
     --master-addr) export MASTER_ADDR=$2; shift ;;
     --master-port) export MASTER_PORT=$2; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     -*) echo "launch.sh: unknown option $1" >&2; exit 2 ;;
     *) job=$1 ;;
   esac
@@ -66,24 +69,45 @@ fi
 # The job lock, before anything in the run folder is touched; the processes inherit it (and the launch id).
 info=$("$PY" -m common.joblock info "$job" --node-rank "$node_rank") || exit 2
 IFS=$'\t' read -r run_dir lock_file ring_file <<<"$info"
-mkdir -p "$run_dir" || exit 2
-exec {lock_fd}>>"$lock_file" || exit 2
+unwritable() {  # what, path, the failing command's message: one clear line instead of bash's own, exit 2
+  echo "launch.sh: cannot write the run folder $run_dir: $1 $2: ${3##*: } (job.run_dir must be a folder" \
+    "$(id -un) can write; fix its permissions or choose another run_dir)" >&2
+  exit 2
+}
+err=$(mkdir -p "$run_dir" 2>&1) || unwritable "cannot create" "$run_dir" "$err"
+err=$( { : >>"$lock_file"; } 2>&1) || unwritable "cannot open the job lock" "$lock_file" "$err"
+exec {lock_fd}>>"$lock_file"
 if ! flock -n "$lock_fd"; then
-  echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
-  "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
-  exit 75
+  # held: by a running launch (refused), or by the orphans of one that died (stopped, then the lock is ours)
+  "$PY" -m common.joblock reclaim "$run_dir" --node-rank "$node_rank" --grace "$grace" >&2
+  rc=$?
+  if ((rc == 75)) || ! flock -n "$lock_fd"; then
+    echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
+    "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
+    exit 75
+  fi
 fi
 DFLASH_LAUNCH_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
-export DFLASH_LAUNCH_ID
+export DFLASH_LAUNCH_ID DFLASH_SUPERVISOR_PID=$$  # the processes stop when this script dies (common/supervisor.py)
 printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLASH_LAUNCH_ID" >"$lock_file"
-mkdir -p "$run_dir/logs" || exit 2
+err=$(mkdir -p "$run_dir/logs" 2>&1) || unwritable "cannot create" "$run_dir/logs" "$err"
 
-cleanup() {  # the group is over (every way out of this script passes here): its ring and sockets go
+remove_job_files() {  # the ring and sockets: only while this script holds the job lock and none of its processes runs
   [[ -n $ring_file ]] && rm -f "$ring_file" "$ring_file"p[0-9]*  # p<r>: the rings of target replicas r > 0
   find "$run_dir/sockets" -maxdepth 1 -type s -delete 2>/dev/null
   rm -f "$run_dir/sockets/control.sock.lock" "$run_dir/sockets/control.endpoint" \
     "$run_dir"/sockets/control-p[0-9]*.sock.lock "$run_dir"/sockets/control-p[0-9]*.endpoint
 }
+cleanup() {  # every way out of this script passes here (an untrapped signal too): stop what runs, then remove
+  trap '' INT TERM HUP
+  if alive; then
+    echo "launch.sh: exiting while processes of the job run: stopping them first (grace ${grace}s)" >&2
+    stop_all TERM
+  fi
+  alive || remove_job_files
+}
+remove_job_files  # left by an earlier launch that was killed: the job lock says none of its processes runs
+pids=()
 trap cleanup EXIT
 
 # CPU threads: the cores shared out among the training processes (more threads than cores slow every step
@@ -129,8 +153,9 @@ stop_all() {  # signal: TERM everyone, wait up to the grace period, then KILL wh
 stop_sig=""
 trap 'stop_sig=SIGTERM' TERM
 trap 'stop_sig=SIGINT' INT
+trap 'stop_sig=SIGHUP' HUP  # a closed SSH session: the same graceful stop, never a half-deleted running job
 stop_on_signal() {
-  trap '' INT TERM
+  trap '' INT TERM HUP
   echo "launch.sh: $stop_sig received: stopping the job (grace ${grace}s)"
   local status=0 p st
   stop_all TERM || status=137
@@ -171,7 +196,7 @@ while ((critical_left > 0)); do
   collected "$done_pid"
   name=${name_of[$done_pid]}
   if [[ ${critical_of[$done_pid]} == 0 ]]; then
-    if ((telemetry_restarts < 20)); then
+    if [[ -z $stop_sig ]] && ((telemetry_restarts < 20)); then  # not while the group stops
       telemetry_restarts=$((telemetry_restarts + 1))
       echo "launch.sh: $name exited with status $st; restarting it (training goes on)"
       sleep 1
@@ -189,7 +214,7 @@ while ((critical_left > 0)); do
   fi
   echo "launch.sh: $name finished"
 done
-trap - INT TERM
+trap - INT TERM HUP
 ((status == 0)) && stop_all TERM  # telemetry: flushes its sinks on SIGTERM
 
 if ((status == 0 && demo)); then

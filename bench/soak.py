@@ -24,6 +24,12 @@ down when a consumer dies. Faults, one at a time, each followed by a wait for re
   data_changed       SIGKILL the producer and change the data file (a record appended, or the lines
                      shuffled): its restarts must refuse the changed plan (exit 2, naming the data) and train
                      nothing; then the file is restored and the next restart resumes, nothing lost or repeated
+  launch_kill        hand the job to launch.sh (every service stopped), SIGKILL launch.sh once both drafters
+                     train: every process must stop by itself within LAUNCH_ORPHAN_S, the consumers checkpoint;
+                     the same command again must start (not 75) and train; SIGTERM it, audit, start the services
+  stats_flood        flood telemetry's stats socket for FLOOD_S (valid messages, most under new names): telemetry
+                     lives, keeps at most MAX_SOURCES, training goes on; recovered when a window holds only the
+                     job's own sources again, all live
 Recovery time: from the fault's effect (kill, SIGCONT, the failed save's exit, the last hostile message)
 to the affected process being back in service (the producer attached the consumer again; telemetry wrote a
 window with every source live; the producer delivered again). A recovered consumer must also train a step:
@@ -35,6 +41,7 @@ The last stdout line (with --json) is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -49,20 +56,30 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.soak_faults import fill, hostile_control, hostile_telemetry, mount_tmpfs, unfill, unmount
+from bench.soak_faults import (
+    fill,
+    hostile_control,
+    hostile_telemetry,
+    mount_tmpfs,
+    unfill,
+    unmount,
+)
 from bench.soak_procs import ROOT, JobWatch, Supervisor, build_job
 from common.accounting_check import check_run
 from common.config import load_job
+from telemetry.aggregate import MAX_SOURCES
 
 KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
          "checkpoint_enospc", "producer_kill", "second_launch", "startup_sigterm", "checkpoint_corrupt",
-         "data_changed")
+         "data_changed", "launch_kill", "stats_flood")
 RECOVERY_TIMEOUT_S = 180.0
 ENOSPC_DRAFTER = "d1"
 CORRUPT_DRAFTER = "d0"  # not the tmpfs one
 STARTUP_EXIT_S = 15.0  # a SIGTERM during start-up must end the process within this (it waited 60 s before)
 HOSTILE_HELLOS = 4  # in bench.soak_faults.control_garbage: unknown drafter, replica 2**64-1, node 5, another launch
 SECOND_LAUNCH_EXIT = 75  # launch.sh's status for "the job is already running"
+LAUNCH_ORPHAN_S = 60.0  # the processes of a SIGKILLed launch.sh must all have stopped within this
+FLOOD_S = 3.0
 
 
 class Chaos:
@@ -301,6 +318,91 @@ def replace_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+    def launch_kill(self) -> float:
+        codes = self.sup.pause()
+        if any(codes.values()):
+            raise AssertionError(f"the services did not stop cleanly before the hand-over: {codes}")
+        env = {**os.environ, "PYTHON": sys.executable}
+        env.pop("DFLASH_LAUNCH_ID", None)
+        argv = [str(ROOT / "launch.sh"), str(self.sup.job_path), "--grace", "60"]
+        out = self.sup.job.run_paths.logs / "soak-launch.out"
+        first = second = None
+        try:
+            with open(out, "a") as sink:
+                first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            t0 = time.time()
+            for name in self.sup.consumers:
+                self.watch.wait_step(name, after=t0, timeout=RECOVERY_TIMEOUT_S)
+            group = [int(p) for p in subprocess.run(["pgrep", "-g", str(first.pid)], capture_output=True,
+                                                     text=True).stdout.split() if int(p) != first.pid]
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait(30)
+            t_kill = time.time()
+            while any(_running(p) for p in group):
+                if time.time() - t_kill > LAUNCH_ORPHAN_S:
+                    raise AssertionError(f"processes of the killed launch.sh still run: {[p for p in group if _running(p)]}")
+                time.sleep(0.1)
+            t_gone = time.time()  # (their last steps, taken while stopping, are not the rerun's)
+            self.notes["launch_kill_orphans_stopped_max_s"] = max(self.notes.get("launch_kill_orphans_stopped_max_s", 0),
+                                                                 round(t_gone - t_kill, 2))
+            gone = f"stopped: its launch.sh (pid {first.pid}) is gone"
+            said = [n for n in self.sup.job.drafters if gone in self.watch.tail(f"consumer-{n.name}-r0", 30)]
+            if len(said) != len(self.sup.consumers):
+                raise AssertionError(f"not every consumer stopped because launch.sh was gone: {said}")
+            with open(out, "a") as sink:
+                second = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+            for name in self.sup.consumers:
+                self.watch.wait_step(name, after=t_gone, timeout=RECOVERY_TIMEOUT_S)
+            took = time.time() - t_kill
+            second.send_signal(signal.SIGTERM)
+            if second.wait(RECOVERY_TIMEOUT_S) != 0:
+                raise AssertionError(f"the rerun's launch.sh exited {second.returncode} on SIGTERM")
+            report = check_run(self.sup.job.run_paths.root)
+            if not report.ok:
+                raise AssertionError(f"the audit after launch.sh SIGKILL + rerun failed: {report.errors}")
+        finally:
+            for p in (first, second):  # after a failure: nothing of a launch may hold the job when the services start
+                if p is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(30)
+            self.sup.resume()
+        t_resume = time.time()
+        for name in self.sup.consumers:  # the services took the job back
+            self.watch.wait_step(name, after=t_resume, timeout=RECOVERY_TIMEOUT_S)
+        return took
+
+    def stats_flood(self) -> float:
+        telemetry = self.sup.procs["telemetry"]
+        pid, t0 = telemetry.pid, time.time()
+        sent = stats_flood(self.watch.ingest_endpoint(), FLOOD_S)
+        t1 = time.time()
+        if telemetry.pid != pid or not telemetry.alive():
+            raise AssertionError(f"telemetry (pid {pid}) died of the flood")
+        for name in self.sup.consumers:  # training went on
+            self.watch.wait_step(name, after=t0, timeout=RECOVERY_TIMEOUT_S)
+        took = self.watch.wait_only_live(after=t1, sources=1 + len(self.sup.consumers),
+                                         timeout=RECOVERY_TIMEOUT_S) - t1
+        windows = self.watch.windows(after=t0)
+        kept = max(len(d["sources"]) for d in windows)
+        if kept > MAX_SOURCES:
+            raise AssertionError(f"telemetry kept {kept} sources during the flood (at most {MAX_SOURCES})")
+        self.notes["flood_messages_sent"] += sent
+        self.notes["flood_max_sources"] = max(self.notes.get("flood_max_sources", 0), kept)
+        self.notes["flood_longest_window_bytes"] = max(self.notes.get("flood_longest_window_bytes", 0),
+                                                       max(d["_bytes"] for d in windows))
+        return max(took, 0.0)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def corrupt_checkpoint(path: Path, rng: random.Random) -> str:

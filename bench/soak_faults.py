@@ -5,6 +5,8 @@ control ROUTER and telemetry's stats ingest SUB. Each batch mixes garbage, trunc
 msgpack, wrong frame counts, messages over the size limits (ZeroMQ drops the connection) and well-formed
 messages from sessions the producer does not know. None may crash a receiver or stop training.
 
+A stats flood (`stats_flood`) sends valid messages as fast as one process can, most under new names.
+
 The full disk is real: the drafter's checkpoint folder is a small tmpfs (root only: `mount -t tmpfs`), and
 a filler file leaves less room than one checkpoint, so the next save fails with ENOSPC from the kernel.
 """
@@ -129,6 +131,36 @@ def hostile_telemetry(endpoint: str, timeout_s: float = 2.0) -> int:
     finally:
         ctx.term()
     return len(messages)
+
+
+def stats_flood(endpoint: str, seconds: float) -> int:
+    """As fast as one process can for `seconds`: valid stats messages, half under a new source name each, half
+    under one name (issue 24 item 7). Returns how many were offered (a full XPUB pipe drops them silently)."""
+    from common.stats import StatsPayload, encode_stats
+
+    ctx = zmq.Context()
+    sent = 0
+    try:
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 1000)
+        pub.connect(endpoint)
+        if not pub.poll(5000):
+            pub.close()
+            return 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for _ in range(200):
+                p = StatsPayload(role="consumer", name=f"flood{sent}" if sent % 2 else "flood", pid=1, host="h",
+                                 seq=sent, wall_time=time.time(), mono_time=time.monotonic(), uptime_s=1.0, step=0,
+                                 final=False, timers={}, gpu_timers={}, counters={"tokens": 1.0}, gauges={},
+                                 cuda_memory={}, cuda_device=None, gpu_uuid=None, process={"cpu_s": 0.0, "rss_bytes": 1})
+                pub.send_multipart(encode_stats(p), zmq.NOBLOCK)
+                sent += 1
+        pub.close()
+    finally:
+        ctx.term()
+    return sent
 
 
 # ---------------------------------------------------------------------------------------------- full disk

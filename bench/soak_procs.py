@@ -70,6 +70,7 @@ on_dead_group = "skip"
 [telemetry]
 interval_s = 0.5
 window_s = 1.0
+stale_after_s = 3.0
 wandb_mode = "disabled"
 {DRAFTER.format(name="d0", block=8)}
 {DRAFTER.format(name="d1", block=4)}
@@ -187,6 +188,19 @@ class Supervisor:
                     codes[n] = -1
         return codes
 
+    def pause(self) -> dict[str, int]:
+        """Stop the whole job as stop_all does, to hand the run folder to launch.sh for a while."""
+        return self.stop_all()
+
+    def resume(self) -> None:
+        """Start every service again after `pause` (systemd starting the target again)."""
+        with self._lock:
+            self.stopping = False
+            for p in self.procs.values():
+                p.restart_at = None
+                p.start()
+            self.log("  every service started again")
+
     def kill_all(self) -> None:
         self.stopping = True
         for p in self.procs.values():
@@ -282,6 +296,28 @@ class JobWatch:
             return None
 
         return self._wait(find, timeout, f"telemetry window with {sources} live sources")
+
+    def windows(self, after: float) -> list[dict]:
+        """Telemetry's windows written after `after` (whole lines only)."""
+        path = self.paths.metrics_jsonl
+        out = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if doc["time"] > after:
+                doc["_bytes"] = len(line)
+                out.append(doc)
+        return out
+
+    def wait_only_live(self, after: float, sources: int, timeout: float) -> float:
+        """Time of the first window after `after` that holds exactly `sources` sources, all live."""
+        def find():
+            return next((d["time"] for d in self.windows(after) if len(d["sources"]) == sources
+                         and all(s["state"] == "live" for s in d["sources"])), None)
+
+        return self._wait(find, timeout, f"telemetry window with only the {sources} live sources")
 
     def telemetry_decode_errors(self) -> int:
         """The running telemetry process's count of malformed stats messages (its last window)."""

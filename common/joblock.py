@@ -11,6 +11,10 @@ second copy of one process (its own lock) is refused. The refusal names the hold
 
     python -m common.joblock info JOB.toml [--node-rank R]   run folder, lock file, ring file (for launch.sh)
     python -m common.joblock holders RUN_DIR [--node-rank R]  who holds the job's locks, one line each
+    python -m common.joblock reclaim RUN_DIR [--node-rank R] [--grace S]
+        the job lock is held but the launch.sh that took it is gone: its orphans are stopped (SIGTERM, SIGKILL
+        after S seconds), and exit 0 once the lock is free; exit 75 when a live launch (or processes started by
+        hand) holds it. Orphans stop by themselves (common/supervisor.py); this is for those that did not.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.supervisor import running
 
 LAUNCH_ENV = "DFLASH_LAUNCH_ID"  # set by launch.sh for the processes it starts
 
@@ -75,11 +82,60 @@ def holders(run_dir: str | Path, node: int = 0) -> list[str]:
     job_lock = job_lock_path(run_dir, node)
     fields = _read_fields(job_lock)
     if _held(job_lock, fcntl.LOCK_SH) and fields.get("launch"):  # held exclusively: by a launch
-        out.append(_describe(fields, "launch.sh"))
-    for path in sorted((Path(run_dir) / "locks").glob(f"n{node}-*.lock")):
-        if _held(path):
-            out.append(_describe(_read_fields(path), path.stem.split("-", 1)[1]))
+        gone = "" if _launch_running(fields) else " (gone: its processes hold the lock)"
+        out.append(_describe(fields, "launch.sh") + gone)
+    for name, fields in _process_holders(run_dir, node):
+        out.append(_describe(fields, name))
     return out
+
+
+def _process_holders(run_dir: str | Path, node: int) -> list[tuple[str, dict[str, str]]]:
+    """(process name, its lock's fields) of every process that holds its own lock now."""
+    return [(path.stem.split("-", 1)[1], _read_fields(path))
+            for path in sorted((Path(run_dir) / "locks").glob(f"n{node}-*.lock")) if _held(path)]
+
+
+def _launch_running(fields: dict[str, str]) -> bool:
+    """Whether the launch.sh named in the job lock still runs (a pid reused by another program is not it)."""
+    pid = int(fields["pid"]) if fields.get("pid", "").isdigit() else 0
+    if not pid or not running(pid):
+        return False
+    try:
+        return b"launch.sh" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def reclaim(run_dir: str | Path, node: int, grace_s: float, log=print) -> bool:
+    """Stop the orphans of a dead launch that still hold the job lock; True once the lock is free.
+
+    Only processes whose own lock names the dead launch's id are signalled: a live launch, or processes
+    started by hand (no launch id), are never touched (False)."""
+    job_lock = job_lock_path(run_dir, node)
+    fields = _read_fields(job_lock)
+    launch = fields.get("launch", "")
+    if not launch or _launch_running(fields):
+        return False
+    orphans = [(name, int(f["pid"])) for name, f in _process_holders(run_dir, node)
+               if f.get("launch") == launch and f.get("pid", "").isdigit()]
+    if not orphans:
+        return not _held(job_lock)
+    listed = ", ".join(f"{name} pid {pid}" for name, pid in orphans)
+    log(f"launch.sh: {_describe(fields, 'the launch.sh')} that held {run_dir} is gone; its processes still run"
+        f" ({listed}): stopping them (SIGTERM, SIGKILL after {grace_s:g}s) before this launch starts")
+    start = time.monotonic()
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        for _, pid in orphans:
+            if running(pid):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _held(job_lock) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _held(job_lock):
+            log(f"launch.sh: the processes of launch {launch} ended after {time.monotonic() - start:.1f}s;"
+                " the job lock is free")
+            return True
+    return False
 
 
 @dataclass
@@ -144,13 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     from common.ring import ring_path
 
     ap = argparse.ArgumentParser(prog="python -m common.joblock", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["info", "holders"])
-    ap.add_argument("path", help="the job file (info) or the run folder (holders)")
+    ap.add_argument("what", choices=["info", "holders", "reclaim"])
+    ap.add_argument("path", help="the job file (info) or the run folder (holders, reclaim)")
     ap.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)))
+    ap.add_argument("--grace", type=float, default=60.0, help="reclaim: seconds the orphans get to stop")
     args = ap.parse_args(argv)
     if args.what == "holders":
         print("\n".join(holders(args.path, args.node_rank)) or "nobody")
         return 0
+    if args.what == "reclaim":
+        return 0 if reclaim(args.path, args.node_rank, args.grace) else 75
     try:
         job = load_job(args.path)
     except ConfigError as err:

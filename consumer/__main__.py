@@ -19,6 +19,7 @@ from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
+from common.supervisor import watch_supervisor
 from consumer.checkpoint import (
     NoIntactCheckpoint,
     checkpoint_bytes,
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None,
                     help="append one JSON line per optimizer step (seqs, samples, parameter digest) to this file")
     args = ap.parse_args(argv)
-    stop = StopSignal()  # from here on SIGTERM/SIGINT end the process cleanly, start-up included
+    stop = StopSignal()  # from here on SIGTERM/SIGINT/SIGHUP end the process cleanly, start-up included
+    watch_supervisor()  # and launch.sh's death (a SIGTERM from the kernel): never an orphan holding the job
     node = f"n{args.node_rank}." if args.nnodes > 1 else ""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {args.drafter}.{node}r{args.replica} %(levelname)s %(message)s")

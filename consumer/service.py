@@ -19,6 +19,7 @@ from typing import Protocol
 
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
+from common.supervisor import STOP_SIGNALS, stop_reason
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
 from consumer.stream import (
@@ -41,16 +42,18 @@ EXIT_GROUP_LOST = 5
 
 
 class StopSignal:
-    """SIGTERM/SIGINT become a reason the loop polls. Installed when the process starts, so that loading,
-    warm-up and the wait for the producer honour a stop too (the loop finishes its round and checkpoints)."""
+    """SIGTERM/SIGINT/SIGHUP (and launch.sh's death, common/supervisor.py) become a reason the loop polls.
+    Installed when the process starts, so that loading, warm-up and the wait for the producer honour a stop
+    too (the loop finishes its round and checkpoints)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._stop)
 
     def _stop(self, signum, _frame) -> None:
-        self.reason = f"stopped by {signal.Signals(signum).name}"
+        if self.reason is None:  # the first signal says why (launch.sh's SIGTERM follows a SIGHUP to the group)
+            self.reason = stop_reason(signum)
 
 
 class StatsSink(Protocol):

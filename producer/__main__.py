@@ -23,6 +23,7 @@ from common.profile import ProfileStats
 from common.ring import RingError, SlotRing
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
+from common.supervisor import watch_supervisor
 from producer.data import ChatDataset, ChatEncoder, DataError, HubSelection, RecordLimits
 from producer.fingerprint import check_plan, plan_fingerprint
 from producer.plan import BatchPlan
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
+    watch_supervisor()  # launch.sh's death becomes a SIGTERM: a graceful stop, never an orphan holding the job
     tp_group = None  # tensor parallelism (producer/tp.py): the group's command channels
     ring = None
     try:

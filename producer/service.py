@@ -24,6 +24,7 @@ from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Wel
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.slot_table import SlotTable
+from common.supervisor import STOP_SIGNALS, stop_reason
 from producer.delivery import Delivery
 from producer.target import TargetCapture
 from producer.tp import LeaderTarget
@@ -400,10 +401,11 @@ class ProducerService:
     # ------------------------------------------------------------------------------------ plumbing
     def _install_signal_handlers(self) -> None:
         def stop(signum, _frame):
-            self._stop_reason = f"stopped by {signal.Signals(signum).name}"
+            if self._stop_reason is None:  # the first signal says why
+                self._stop_reason = stop_reason(signum)
 
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        for sig in STOP_SIGNALS:  # SIGHUP too (a closed SSH session); SIGTERM also when launch.sh dies
+            signal.signal(sig, stop)
 
     def _timer(self, key: str):
         return self.prof.timer(key) if self.prof else contextlib.nullcontext()

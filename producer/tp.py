@@ -12,7 +12,7 @@ go into the ring.
 
 Waits: the followers first wait (LOAD_TIMEOUT_S) for rank 0 to have read its data; then their wait for the
 next command is a gloo collective with its own timeout (`control_timeout_s`); rank 0 sends a keep-alive whenever it has sent nothing for `keepalive_s` (it is idle
-waiting for consumers or slots), so a timeout means rank 0 is gone or stuck. A follower ignores SIGINT/SIGTERM:
+waiting for consumers or slots), so a timeout means rank 0 is gone or stuck. A follower ignores SIGINT/SIGTERM/SIGHUP:
 rank 0 stops the group with a STOP command when it ends, however it ended; launch.sh's grace period bounds it.
 """
 
@@ -174,6 +174,7 @@ def follow(target, group: TPGroup) -> int:
     exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group ends (module docstring)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if target.device.type == "cpu":
         keep_freed_memory()  # as rank 0's ProducerService: each forward reuses the last one's pages
     header = torch.zeros(3, dtype=torch.int64)

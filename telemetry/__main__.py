@@ -1,4 +1,4 @@
-"""`python -m telemetry --job JOB.toml`: run the telemetry process until SIGTERM/SIGINT."""
+"""`python -m telemetry --job JOB.toml`: run the telemetry process until SIGTERM/SIGINT/SIGHUP or launch.sh's death."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 
 from common.config import ConfigError, load_job
 from common.joblock import JobLocked, enter
+from common.supervisor import STOP_SIGNALS, stop_reason, watch_supervisor
 from telemetry.service import TelemetryService
 
 
@@ -33,8 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        def on_signal(signum, _frame):
+            log.info("%s: flushing the last window", stop_reason(signum))
+            stop.set()
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, on_signal)
+        watch_supervisor(log)
     try:
         TelemetryService(job, log, node=node).run(stop)
     finally:

@@ -4,11 +4,18 @@ Each message is differenced against the previous message of the same source (`sn
 the difference is added to that source's current window; so every unit counted by a process lands
 in exactly one window, and lost messages cost resolution, never totals. Rates divide by the time the
 differences cover, measured on the source's own monotonic clock (not by arrival time).
+
+Bounded against a rogue or broken publisher (issue 24): a source unheard of for FORGET_AFTER_STALE ×
+stale_after_s is forgotten; at most MAX_SOURCES are kept (a newcomer evicts the longest-silent source that is
+not live, else it is refused and counted); a source sending faster than RATE_PER_S (burst RATE_BURST) has the
+excess dropped and counted (its totals stay right: the next message's difference covers them); a source's
+window figures are cut at MAX_FIGURES. So a window's size is bounded whatever arrives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any
 
@@ -17,6 +24,10 @@ from common.stats import StatsPayload
 
 WAIT_TIMER = {"producer": "wait_slot", "consumer": "wait_batch"}  # the "wait %" shown per role
 PRODUCER_BUSY_TIMERS = ("forward", "write_slot")
+MAX_SOURCES = 256  # per telemetry process (one per node): far more than a node's producers and consumers
+FORGET_AFTER_STALE = 2.0  # forgotten once silent for this many stale_after_s (shown "stale" or "exited" until then)
+RATE_PER_S, RATE_BURST = 20.0, 40.0  # per source; a real one sends every telemetry.interval_s (default 2 s)
+MAX_FIGURES = 512  # per source and window; a real consumer has about 60
 REPLICA_NAME = re.compile(r"^(?P<drafter>.+)_r(?P<replica>\d+)$")
 _BAD_CHARS = re.compile(r"[^_a-zA-Z0-9]")
 
@@ -78,27 +89,45 @@ class SourceState:
     restarts: int = 0
     window: _Window = dataclasses.field(default_factory=_Window)
     figures: dict[str, float] = dataclasses.field(default_factory=dict)  # of the last window with data
+    tokens: float = RATE_BURST  # the rate limit's bucket: one message takes one token
+    refilled: float = 0.0  # when the bucket was last topped up (telemetry's monotonic clock)
+    rate_limited: int = 0
 
 
 class Aggregator:
     """Keeps one SourceState per `<role>.<name>` and turns the current windows into one document."""
 
-    def __init__(self, stale_after_s: float) -> None:
-        self.stale_after_s = stale_after_s
+    def __init__(self, stale_after_s: float, max_sources: int = MAX_SOURCES, log: logging.Logger | None = None) -> None:
+        self.stale_after_s, self.max_sources = stale_after_s, max_sources
+        self.log = log or logging.getLogger("dflash.telemetry")
         self.sources: dict[str, SourceState] = {}
         self.messages = 0
         self.gaps = 0
         self.restarts = 0
+        self.refused = 0  # messages of new sources refused at the cap
+        self.evicted = 0  # sources dropped at the cap to make room
+        self.forgotten = 0  # sources dropped after FORGET_AFTER_STALE × stale_after_s of silence
+        self.rate_limited = 0
 
-    def ingest(self, p: StatsPayload, now: float) -> None:
+    def ingest(self, p: StatsPayload, now: float) -> bool:
+        """Aggregate one message; False when it was refused (cap) or dropped (rate limit)."""
         st = self.sources.get(p.source)
+        if st is None and not self._make_room(p.source, now):
+            return False
+        if st is not None:
+            st.tokens, st.refilled = min(RATE_BURST, st.tokens + (now - st.refilled) * RATE_PER_S), now
+            if st.tokens < 1.0 and not p.final:  # a final message always counts: it carries the last totals
+                st.rate_limited += 1
+                self.rate_limited += 1
+                return False
+            st.tokens -= 1.0
         if st is None or p.pid != st.last.pid or p.seq <= st.last.seq:
             prev, span, prev_cpu = None, p.uptime_s, 0.0  # new process: its totals count from zero
             if st is not None:
                 st.restarts += 1
                 self.restarts += 1
             else:
-                st = self.sources[p.source] = SourceState(last=p, last_seen=now)
+                st = self.sources[p.source] = SourceState(last=p, last_seen=now, tokens=RATE_BURST - 1, refilled=now)
         else:
             missed = p.seq - st.last.seq - 1
             st.gaps += missed
@@ -110,9 +139,38 @@ class Aggregator:
         st.last, st.last_seen = p, now
         st.messages += 1
         self.messages += 1
+        return True
+
+    def _make_room(self, source: str, now: float) -> bool:
+        """Room for one more source: below the cap, or by evicting the longest-silent one that is not live."""
+        if len(self.sources) < self.max_sources:
+            return True
+        quiet = [(st.last_seen, name) for name, st in self.sources.items()
+                 if st.last.final or now - st.last_seen > self.stale_after_s]
+        if quiet:
+            del self.sources[min(quiet)[1]]
+            self.evicted += 1
+            return True
+        self.refused += 1
+        if self.refused == 1 or self.refused % 10_000 == 0:
+            self.log.warning("telemetry keeps at most %d sources (MAX_SOURCES, telemetry/aggregate.py), all live:"
+                             " messages of new source %r refused (%d so far); a source is forgotten after %.0f s"
+                             " of silence", self.max_sources, source, self.refused,
+                             FORGET_AFTER_STALE * self.stale_after_s)
+        return False
+
+    def forget_silent(self, now: float) -> int:
+        """Drop the sources silent for FORGET_AFTER_STALE × stale_after_s; how many went."""
+        limit = FORGET_AFTER_STALE * self.stale_after_s
+        gone = [name for name, st in self.sources.items() if now - st.last_seen > limit]
+        for name in gone:
+            del self.sources[name]
+        self.forgotten += len(gone)
+        return len(gone)
 
     def close_window(self, now: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """(flat metrics, per-source summaries) for the window that ends now; starts the next one."""
+        self.forget_silent(now)
         metrics: dict[str, float] = {}
         summaries = []
         drafters: dict[str, list[float]] = {}
@@ -139,6 +197,7 @@ class Aggregator:
                 "messages": st.messages,
                 "gaps": st.gaps,
                 "restarts": st.restarts,
+                "rate_limited": st.rate_limited,
                 "gpu_uuid": p.gpu_uuid,
                 "tokens_per_s": figures.get("tokens_per_s"),
                 "wait_pct": figures.get(f"{WAIT_TIMER.get(p.role)}_pct"),
@@ -205,4 +264,6 @@ def _source_figures(p: StatsPayload, w: _Window) -> dict[str, float]:
     wait = WAIT_TIMER.get(p.role)
     if wait:
         out.setdefault(f"{wait}_pct", 0.0)  # the process never waited this window
+    if len(out) > MAX_FIGURES:  # a broken publisher's thousands of keys: the window stays small
+        out = dict(list(out.items())[:MAX_FIGURES])
     return out

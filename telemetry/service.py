@@ -2,6 +2,11 @@
 
 One thread runs the sockets and the windows; NVML and W&B run in their own threads so that neither a
 slow driver call nor a W&B stall delays ingestion. A malformed message is counted, never fatal.
+
+A flooding publisher (issue 24) cannot take the CPU the training needs: telemetry handles at most
+INGEST_PER_S messages a second and leaves the rest queued, in that publisher's own pipe (ZeroMQ queues per
+connection, bounded by RCVHWM, and reads the connections in turn, so the real publishers still get through);
+a full pipe stops the flooder's sends, never a real publisher's (they never block, common/stats.py).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from telemetry.sinks import JsonlSink, Republisher, WandbSink
 
 REPUBLISH_SOCKET = "telemetry-out.sock"
 MAX_BATCH = 1000  # messages handled before the loop looks at the clock again
+INGEST_PER_S = 2000  # messages handled per second at most; a real job's processes send a few per second each
+TICK_S = 0.1  # the ingest budget is given out per tick
+RCVHWM = 100  # messages queued per connection; a real publisher has a few in flight at most
 GPU_SKIP = {"index", "uuid", "name", "energy_mj", "last_xid"}  # not plotted per window
 
 
@@ -41,7 +49,7 @@ class TelemetryService:
         self.context = context or zmq.Context()
         self.ingest = self.context.socket(zmq.SUB)
         self.ingest.setsockopt(zmq.LINGER, 0)
-        self.ingest.setsockopt(zmq.RCVHWM, 10_000)
+        self.ingest.setsockopt(zmq.RCVHWM, RCVHWM)
         self.ingest.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_PAYLOAD_BYTES)  # a flooding peer is disconnected
         self.ingest.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
         self.ingest.bind(ingest_endpoint(job.run_paths))
@@ -64,13 +72,15 @@ class TelemetryService:
                 config=job.model_dump(mode="json"),
             )
         self.nvml = NvmlSampler(self.cfg.nvml_interval_s, log, nvml)
-        self.agg = Aggregator(self.cfg.stale_after_s)
+        self.agg = Aggregator(self.cfg.stale_after_s, log=log)
         self.decode_errors = 0
         self.processing_errors = 0
         self.windows = 0
         self._started = time.monotonic()
         self._window_started = self._started
         self._window_messages = 0
+        self._budget, self._tick_end = 0, self._started
+        self.throttled_ticks = 0  # ticks whose whole ingest budget was used: someone sends too much
 
     def run(self, stop: threading.Event) -> None:
         """Until `stop` is set; then one last window (so final totals are never lost) and a bounded close."""
@@ -88,17 +98,24 @@ class TelemetryService:
         )
         try:
             while not stop.is_set():
-                timeout_ms = max(0.0, min(next_window - time.monotonic(), 0.2)) * 1e3
+                now = time.monotonic()
+                if now >= self._tick_end:
+                    self._budget, self._tick_end = int(INGEST_PER_S * TICK_S), now + TICK_S
+                    poller.modify(self.ingest, zmq.POLLIN)
+                timeout_ms = max(0.0, min(next_window, self._tick_end) - now) * 1e3
                 ready = dict(poller.poll(timeout_ms))
                 if self.ingest in ready:
                     self._drain_ingest()
+                    if self._budget <= 0:  # wait for the next tick, leaving the rest queued
+                        self.throttled_ticks += 1
+                        poller.modify(self.ingest, 0)
                 if self.republisher.socket in ready:
                     self.republisher.on_readable()
                 now = time.monotonic()
                 if now >= next_window:
                     self._emit_window(now)
                     next_window = max(next_window + self.cfg.window_s, now)
-            self._drain_ingest()
+            self._drain_ingest(MAX_BATCH)  # the final totals of the processes that stop with us
             self._emit_window(time.monotonic())
         finally:
             self.close()
@@ -130,12 +147,14 @@ class TelemetryService:
             if _sparse(self.processing_errors):
                 self.log.exception("stats message from %s could not be aggregated", payload.source)
 
-    def _drain_ingest(self) -> None:
-        for _ in range(MAX_BATCH):
+    def _drain_ingest(self, limit: int | None = None) -> None:
+        """Up to `limit` messages (default: what is left of this tick's budget)."""
+        for _ in range(min(MAX_BATCH, self._budget if limit is None else limit)):
             try:
                 frames = self.ingest.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._budget -= 1
             self.handle(frames, time.monotonic())
 
     def _emit_window(self, now: float) -> None:
@@ -194,6 +213,11 @@ class TelemetryService:
             "restarts": self.agg.restarts,
             "decode_errors": self.decode_errors,
             "processing_errors": self.processing_errors,
+            "sources_refused": self.agg.refused,
+            "sources_evicted": self.agg.evicted,
+            "sources_forgotten": self.agg.forgotten,
+            "rate_limited": self.agg.rate_limited,
+            "throttled_ticks": self.throttled_ticks,
             "sources_live": live,
             "sources_stale": len(sources) - live,
             "cli_subscribers": self.republisher.subscribers,

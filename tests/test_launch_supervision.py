@@ -147,3 +147,99 @@ def test_an_entry_point_run_in_process_gives_its_place_back_when_it_returns(job)
         main()
     held.release()
     assert main() == ""
+
+
+ORPHAN = """import signal, sys, time
+from common.joblock import enter
+lock = enter(sys.argv[1], "telemetry")  # its own lock names the launch, as every real process's does
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_orphans_of_a_killed_launch_are_stopped_by_the_next_launch_which_then_starts(job):
+    """Found from outside (issue 24 item 4): after launch.sh was SIGKILLed its processes ran on holding the job
+    lock, and every later launch exited 75 naming the dead launch.sh. The real processes stop by themselves
+    (common/supervisor.py, tests/test_launch_signals.py); this stand-in does not, as a process stuck or from an
+    older version would not: the next launch names it, stops it, and starts."""
+    run_dir = run_dir_of(job)
+    script = job.parent / "orphan.py"
+    script.write_text(ORPHAN)
+    first = launch(job, plan=plan_file(job, [("telemetry", 0, f"exec {sys.executable} {script} {run_dir}"),
+                                             ("worker", 1, "exec sleep 600")]))
+    orphan = None
+    try:
+        log = run_dir / "logs" / "telemetry.log"
+        deadline = time.monotonic() + 60
+        while "up" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and first.poll() is None, "the stand-in did not start"
+            time.sleep(0.05)
+        orphan = int((run_dir / "locks" / "n0-telemetry.lock").read_text().split("pid=")[1].split()[0])
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        os.kill(int(subprocess.run(["pgrep", "-g", str(first.pid), "sleep"], capture_output=True,
+                                   text=True).stdout.split()[0]), signal.SIGKILL)  # the worker stand-in
+        (run_dir / "sockets").mkdir(exist_ok=True)
+        (run_dir / "sockets" / "control.endpoint").write_text("ipc://stale")  # what a dead launch leaves
+        out = finish(launch(job, plan=plan_file(job, [("worker", 1, "exit 0")])), 60)
+        assert f"the launch.sh pid {first.pid} (started " in out, out
+        assert f"is gone; its processes still run (telemetry pid {orphan}): stopping them" in out, out
+        assert "the job lock is free" in out and "worker finished" in out and "not starting" not in out, out
+        assert not Path(f"/proc/{orphan}").exists() or "Z" in Path(f"/proc/{orphan}/stat").read_text().split()[2]
+        assert not (run_dir / "sockets" / "control.endpoint").exists()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        if orphan and Path(f"/proc/{orphan}").exists():
+            os.kill(orphan, signal.SIGKILL)
+
+
+def test_sighup_to_launch_sh_alone_stops_the_group_before_anything_is_removed(job):
+    """Found from outside (issue 24 item 5): SIGHUP made launch.sh exit 129 and delete the ring and sockets while
+    its processes ran on. The stand-in producer needs its ring file until it has stopped."""
+    ring = ring_file(job)
+    script = job.parent / "producer.sh"
+    script.write_text(f"touch {ring}\ntrap 'test -e {ring} && echo ring-there-at-stop; exit 0' TERM\n"
+                      "echo up\nwhile :; do sleep 0.05; done\n")
+    proc = launch(job, plan=plan_file(job, [("telemetry", 0, "exec sleep 600"), ("producer", 1, f"exec sh {script}")]))
+    try:
+        log = run_dir_of(job) / "logs" / "producer.log"
+        deadline = time.monotonic() + 60
+        while "up" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None, "the stand-in did not start"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGHUP)
+        out = finish(proc, 60)
+        assert proc.returncode == 0 and "SIGHUP received: stopping the job" in out, out
+        assert "ring-there-at-stop" in log.read_text() and not ring.exists()
+        assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # none left
+    finally:
+        ring.unlink(missing_ok=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only file system (a tmpfs remounted ro: root only; as root, mode bits alone refuse nothing)."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_read_only_run_folder_is_refused_with_the_folder_and_the_fault(job, read_only_dir, inside):
+    """Found from outside (issue 24 item 8): bash's own `launch.sh: line 70: …/job-n0.lock: Permission denied`."""
+    run_dir = read_only_dir / "run" if inside else read_only_dir
+    job.write_text(job.read_text().replace(f'run_dir = "{run_dir_of(job)}"', f'run_dir = "{run_dir}"'))
+    proc = launch(job, plan=plan_file(job, [("worker", 1, "exit 0")]))
+    out = finish(proc, 60)
+    assert proc.returncode == 2, out
+    what = f"cannot create {run_dir}" if inside else f"cannot open the job lock {run_dir}/job-n0.lock"
+    assert f"launch.sh: cannot write the run folder {run_dir}: {what}: Read-only file system (job.run_dir" in out, out
+    assert "line " not in out and "started worker" not in out, out

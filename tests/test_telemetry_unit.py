@@ -188,7 +188,7 @@ def test_stale_sources_and_replica_balance():
     assert m["producer/loss_mask_frac"] == 0.25
     assert m["producer/slots_in_use"] == 3.0
     assert all(s["state"] == "live" for s in summaries)
-    _, later = agg.close_window(now=10.0)
+    _, later = agg.close_window(now=5.0)  # stale after 3 s, forgotten after 6 s
     assert [s["state"] for s in later] == ["stale"] * 3
     assert later[0]["tokens_per_s"] == pytest.approx(100.0)  # the last window that had data
 
@@ -289,3 +289,57 @@ def test_reader_reassembles_records_across_blocks_and_checks_crc(tmp_path):
     path.write_bytes(b"nope")
     with pytest.raises(WandbFileError, match="shorter than"):
         list(iter_payloads(path))
+
+
+# ---- bounds against a rogue publisher (issue 24) -----------------------------------------------------------
+
+
+def test_sources_are_capped_a_newcomer_evicts_a_quiet_one_else_is_refused_and_named(caplog):
+    agg = Aggregator(stale_after_s=3.0, max_sources=4)
+    for i in range(4):
+        assert agg.ingest(payload(ProfileStats(), seq=0, mono=1.0, name=f"d{i}_r0"), now=0.0)
+    with caplog.at_level(logging.WARNING, logger="dflash.telemetry"):
+        assert not agg.ingest(payload(ProfileStats(), seq=0, mono=1.0, name="rogue"), now=1.0)  # all 4 live
+        assert not agg.ingest(payload(ProfileStats(), seq=0, mono=1.0, name="rogue2"), now=1.0)
+    assert agg.refused == 2 and sorted(agg.sources) == [f"consumer.d{i}_r0" for i in range(4)]
+    assert caplog.text.count("telemetry keeps at most 4 sources") == 1  # named once, then counted
+    assert agg.ingest(payload(ProfileStats(), seq=1, mono=2.0, name="d2_r0"), now=4.5)  # d2 stays live
+    assert agg.ingest(payload(ProfileStats(), seq=0, mono=1.0, name="new"), now=4.5)  # d0, d1, d3 are stale
+    assert agg.evicted == 1 and sorted(agg.sources) == ["consumer.d1_r0", "consumer.d2_r0", "consumer.d3_r0",
+                                                        "consumer.new"]
+
+
+def test_a_silent_source_is_forgotten_after_twice_stale_after_s():
+    agg = Aggregator(stale_after_s=3.0)
+    agg.ingest(payload(ProfileStats(), seq=0, mono=1.0, name="d0_r0"), now=0.0)
+    agg.ingest(payload(ProfileStats(), seq=0, mono=1.0, name="d0_r1"), now=4.0)
+    _, summaries = agg.close_window(now=5.9)
+    assert [(s["name"], s["state"]) for s in summaries] == [("d0_r0", "stale"), ("d0_r1", "live")]
+    _, summaries = agg.close_window(now=6.1)
+    assert [s["name"] for s in summaries] == ["d0_r1"] and agg.forgotten == 1
+
+
+def test_a_source_over_the_rate_limit_loses_messages_never_totals():
+    prof, agg = ProfileStats(), Aggregator(stale_after_s=10.0)
+    accepted = []
+    for seq in range(100):  # 100 messages at one instant: the burst of 40 passes
+        prof.count("tokens", 1)
+        accepted.append(agg.ingest(payload(prof, seq=seq, mono=1.0 + seq / 1e4), now=0.0))
+    assert sum(accepted) == 40 and agg.rate_limited == 60
+    m1, _ = agg.close_window(now=0.5)
+    prof.count("tokens", 1)
+    assert agg.ingest(payload(prof, seq=100, mono=2.0), now=1.0)  # 20 tokens/s refilled
+    m2, summaries = agg.close_window(now=1.5)
+    assert m1["consumer/d0_r0/tokens"] + m2["consumer/d0_r0/tokens"] == 101
+    assert summaries[0]["rate_limited"] == 60 and summaries[0]["gaps"] == 60
+
+
+def test_a_source_with_thousands_of_keys_keeps_a_small_window():
+    from telemetry.aggregate import MAX_FIGURES
+
+    prof, agg = ProfileStats(), Aggregator(stale_after_s=10.0)
+    for i in range(1000):
+        prof.count(f"k{i}", 1)
+    agg.ingest(payload(prof, seq=0, mono=1.0), now=0.0)
+    metrics, _ = agg.close_window(now=1.0)
+    assert len([k for k in metrics if k.startswith("consumer/d0_r0/")]) == MAX_FIGURES
