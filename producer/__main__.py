@@ -12,8 +12,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from transformers import AutoTokenizer
-
 from common.accounting import DeliveryLedger
 from common.config import ConfigError, JobConfig, load_job
 from common.joblock import JobLocked, enter
@@ -27,6 +25,7 @@ from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService
 from producer.target import TargetLoadError, load_target
+from producer.tokenizer import load_tokenizer
 from producer.tp import LeaderTarget, TPRank, TPSetupError, distributed_config, ep_shard, follow, init_group
 
 log = logging.getLogger("producer")
@@ -54,10 +53,7 @@ def batch_stream(dataset: ChatDataset, plan: BatchPlan, depth: int, stride: int 
 
 def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatDataset, BatchPlan]:
     tok_path = job.data.tokenizer or job.target.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise DataError(f"{tok_path}: cannot load the tokenizer: {err}") from err
+    tokenizer = load_tokenizer(tok_path)  # DataError: no tokenizer files there, named
     start = time.perf_counter()
     encoder = ChatEncoder(tokenizer, job.data.max_length, str(tok_path), job.data.chat_template_kwargs)
     dataset = ChatDataset(job.data.path, job.data.format, encoder)

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from producer.data import DataError, Format, Message, iter_messages, location, open_dataset_file
@@ -43,6 +43,7 @@ from producer.regenerate_server import (
     regenerate_via_server,
 )
 from producer.target import DTYPES, GENERATE_ORDER, TargetLoadError, choose_attn_implementation
+from producer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def completed_lines(out_path: Path) -> set[int]:
 def load_generator(target_dir: Path, dtype: str, device: str, attn_implementation: str):
     if not (target_dir / "config.json").is_file():
         raise TargetLoadError(f"{target_dir}: no config.json (not a local model directory)")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True, padding_side="left")
+    tokenizer = load_tokenizer(target_dir, padding_side="left")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{target_dir}: the tokenizer has no chat template")
     if tokenizer.pad_token_id is None:

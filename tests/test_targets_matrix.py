@@ -407,3 +407,70 @@ def test_bad_target_files_are_named_by_producer_and_consumer_without_traceback(z
                 failures.append(f"{name} {role[0]}: rc {proc.returncode}\n{proc.stderr[-1500:]}")
         shutil.rmtree(job.parent, ignore_errors=True)
     assert not failures, "\n\n".join(failures)
+
+
+# a model whose modeling code looks its attention up in a table of its own (not transformers' registry)
+OWN_ATTENTION_TABLE = """
+import sys
+import transformers.models.qwen3.modeling_qwen3 as modeling
+
+class Table(dict):
+    def get_interface(self, name, default):
+        return self[name]
+
+modeling.ALL_ATTENTION_FUNCTIONS = Table()
+from producer.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_load_failures_end_in_one_clear_line_with_exit_2(zoo, tmp_path):
+    """Issue 21 items 5 and 6, through the producer process: a target directory without tokenizer files says so
+    (which files were looked for, and data.tokenizer); an error raised by the model's own code while loading
+    names the architecture and what is missing. Exit 2, no traceback."""
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):  # what a weights-only download leaves
+        shutil.copy(zoo["qwen3"] / name, no_tokenizer / name)
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    failures = []
+    for name, target, code, says in (
+        ("notok", no_tokenizer, None,
+         r"no-tokenizer: no tokenizer found \(looked for tokenizer.json, tokenizer_config.json, tokenizer.model,"
+         r" vocab.json, \*.tiktoken\); copy the target's tokenizer files there, or set data.tokenizer"),
+        ("owntable", zoo["qwen3"], OWN_ATTENTION_TABLE,
+         r"qwen3: the Qwen3ForCausalLM target \(Qwen3Model\) failed to load: its code looks up the attention"
+         r" implementation 'packed_sdpa' in a table of its own that lacks it; set target.attn_implementation"),
+    ):
+        job = write_job(assets, name=f"load{name}")
+        job.write_text(job.read_text().replace(str(assets / "target"), str(target)))
+        args = ["--job", str(job)]
+        proc = run_role(["producer", *args]) if code is None else subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=240,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+        if proc.returncode != 2 or "Traceback" in proc.stderr or len(errors) != 1 or not re.search(says, errors[0]):
+            failures.append(f"{name}: rc {proc.returncode}\n{proc.stderr[-1500:]}")
+        if "sentencepiece" in proc.stderr:
+            failures.append(f"{name}: passes on transformers' sentencepiece advice\n{proc.stderr[-1500:]}")
+        shutil.rmtree(job.parent, ignore_errors=True)
+    assert not failures, "\n\n".join(failures)
+
+
+def test_a_forward_hook_error_while_loading_is_one_named_line(zoo, monkeypatch):
+    def failing_hook(self, k):
+        def hook(module, args, output):
+            raise RuntimeError(f"output of {type(module).__name__} does not fit the feature buffer")
+
+        return hook
+
+    monkeypatch.setattr(capture.TargetCapture, "_copy_hook", failing_hook)
+    with pytest.raises(TargetLoadError, match=(
+        r"gemma3_vl: the Gemma3ForConditionalGeneration target \(Gemma3TextModel\) failed to load: RuntimeError:"
+        r" output of Gemma3DecoderLayer does not fit the feature buffer \(attention implementation 'packed_sdpa'\)"
+    )):
+        load_target(zoo["gemma3_vl"], layer_ids=[0, 1], dtype="float32")
