@@ -30,6 +30,9 @@ from transformers import (
     GptOssConfig,
     JambaConfig,
     Lfm2Config,
+    Llama4Config,
+    Llama4ForConditionalGeneration,
+    Llama4TextConfig,
     LlamaConfig,
     MambaConfig,
     Mistral3Config,
@@ -37,6 +40,9 @@ from transformers import (
     MistralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
     Qwen2Config,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
@@ -82,6 +88,8 @@ EXAMPLES: dict[str, str] = {
     "gemma3_vl": "google/gemma-3-27b-it",
     "mistral3_vl": "mistralai/Mistral-Small-3.2-24B-Instruct-2506",
     "qwen3_vl": "Qwen/Qwen3-VL-8B-Instruct",
+    "qwen2_5_vl": "Qwen/Qwen2.5-VL-7B-Instruct",
+    "llama4_vl": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
     "falcon_h1": "tiiuae/Falcon-H1-7B-Instruct",
     "jamba": "ai21labs/AI21-Jamba-Mini-1.7",
     "mamba": "state-spaces/mamba-2.8b-hf",
@@ -198,6 +206,13 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
         Qwen3VLTextConfig,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
     ),
+    "qwen2_5_vl_text": _cfg(
+        Qwen2_5_VLTextConfig, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])
+    ),
+    "llama4_text": _cfg(  # MoE every layer, chunked attention shorter than the test sequences, NoPE layers
+        Llama4TextConfig, num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1,
+        intermediate_size_mlp=128, interleave_moe_layer_step=1, no_rope_layers=[1, 0], attention_chunk_size=8,
+    ),
     # state-space hybrids and a pure state-space model: their mixers keep a recurrent state across tokens
     "falcon_h1": _cfg(  # every layer: attention and a Mamba-2 mixer side by side
         FalconH1Config, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
@@ -218,12 +233,17 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
 # multimodal wrappers, saved the way save_pretrained writes the published checkpoints (text decoder + vision
 # tower): the zoo name → the text architecture inside it
 WRAPPERS = {"qwen3_5_vl": "qwen3_5_text", "gemma3_vl": "gemma3_text", "mistral3_vl": "mistral3_text",
-            "qwen3_vl": "qwen3_vl_text"}
+            "qwen3_vl": "qwen3_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "llama4_vl": "llama4_text"}
 # supported through the per-sequence fallback only: a short convolution (lfm2), Mamba mixers (falcon_h1, jamba,
 # mamba) keep a state across tokens that a packed forward would carry from one sequence into the next
 FALLBACK_ARCHS: list[str] = ["lfm2", "falcon_h1", "jamba", "mamba"]
-_TEXT_ONLY = {"mistral3_text", "qwen3_vl_text"}  # built inside their wrapper only
-ARCHS: list[str] = [*(a for a in _CONFIGS if a not in FALLBACK_ARCHS and a not in _TEXT_ONLY), *WRAPPERS]
+_TEXT_ONLY = {"mistral3_text", "qwen3_vl_text", "qwen2_5_vl_text", "llama4_text"}  # built inside their wrapper only
+# Llama 4's wrapper cannot run a text-only forward in transformers 5.24 (its output lacks `image_outputs`): the
+# producer and the parts loader are tested on it (its `language_model` is the reference), the drafter is not
+WRAPPER_ONLY: list[str] = ["llama4_vl"]
+ARCHS: list[str] = [
+    *(a for a in _CONFIGS if a not in FALLBACK_ARCHS and a not in _TEXT_ONLY), *(w for w in WRAPPERS if w not in WRAPPER_ONLY)
+]
 
 
 def text_config(arch: str, num_layers: int | None = None) -> PretrainedConfig:
@@ -286,6 +306,21 @@ def _wrapper(arch: str, text: dict) -> torch.nn.Module:
             text_config=text, vision_config={**qwen_vision, "deepstack_visual_indexes": [0]},
             image_token_id=spare, video_token_id=spare + 1, vision_start_token_id=spare + 2,
             vision_end_token_id=spare + 3, tie_word_embeddings=False,
+        ))
+    if arch == "qwen2_5_vl":
+        return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=text, vision_config={**qwen_vision, "window_size": 16, "fullatt_block_indexes": [0]},
+            image_token_id=spare, video_token_id=spare + 1, vision_start_token_id=spare + 2,
+            vision_end_token_id=spare + 3,
+        ))
+    if arch == "llama4_vl":
+        return Llama4ForConditionalGeneration(Llama4Config(
+            text_config=text, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                patch_size=4, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64,
+                pixel_shuffle_ratio=0.5,
+            ),
+            image_token_index=spare, boi_token_index=spare + 1, eoi_token_index=spare + 2,
         ))
     if arch == "gemma3_vl":
         return Gemma3ForConditionalGeneration(Gemma3Config(
