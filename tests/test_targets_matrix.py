@@ -474,27 +474,34 @@ def test_load_failures_end_in_one_clear_line_with_exit_2(zoo, tmp_path):
     assets = tmp_path / "assets"
     assets.mkdir()
     (assets / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    failures = []
-    for name, target, code, says in (
-        ("notok", no_tokenizer, None,
+    cases = (
+        ("notok", no_tokenizer, "import sys\nfrom producer.__main__ import main\nsys.exit(main(sys.argv[1:]))",
          r"no-tokenizer: no tokenizer found \(looked for tokenizer.json, tokenizer_config.json, tokenizer.model,"
          r" vocab.json, \*.tiktoken\); copy the target's tokenizer files there, or set data.tokenizer"),
         ("owntable", zoo["qwen3"], OWN_ATTENTION_TABLE,
          r"qwen3: the Qwen3ForCausalLM target \(Qwen3Model\) failed to load: its code looks up the attention"
          r" implementation 'packed_sdpa' in a table of its own that lacks it; set target.attn_implementation"),
-    ):
+    )
+    running = []  # both processes at once: their start-up is most of the time
+    for name, target, code, says in cases:
         job = write_job(assets, name=f"load{name}")
         job.write_text(job.read_text().replace(str(assets / "target"), str(target)))
-        args = ["--job", str(job)]
-        proc = run_role(["producer", *args]) if code is None else subprocess.run(
-            [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=240,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "--job", str(job)], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
-        errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
-        if proc.returncode != 2 or "Traceback" in proc.stderr or len(errors) != 1 or not re.search(says, errors[0]):
-            failures.append(f"{name}: rc {proc.returncode}\n{proc.stderr[-1500:]}")
-        if "sentencepiece" in proc.stderr:
-            failures.append(f"{name}: passes on transformers' sentencepiece advice\n{proc.stderr[-1500:]}")
+        running.append((name, says, job, proc))
+    failures = []
+    for name, says, job, proc in running:
+        try:
+            _, stderr = proc.communicate(timeout=240)
+        finally:
+            proc.kill()
+        errors = [line for line in stderr.splitlines() if " ERROR " in line]
+        if proc.returncode != 2 or "Traceback" in stderr or len(errors) != 1 or not re.search(says, errors[0]):
+            failures.append(f"{name}: rc {proc.returncode}\n{stderr[-1500:]}")
+        if "sentencepiece" in stderr:
+            failures.append(f"{name}: passes on transformers' sentencepiece advice\n{stderr[-1500:]}")
         shutil.rmtree(job.parent, ignore_errors=True)
     assert not failures, "\n\n".join(failures)
 
