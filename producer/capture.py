@@ -20,11 +20,8 @@ exact for every layer kind:
   flash-linear-attention kernels (the torch fallback ignores `cu_seqlens`); so each linear-attention module
   is wrapped to run the sequences as right-padded batches of similar lengths (causal layers: padding after a
   sequence never reaches it), the rest of the stack stays packed.
-- other token mixers with a state (a state-space decay `A_log`: the Mamba mixers of falcon_h1, jamba, mamba;
-  a depthwise token convolution: lfm2's short convolution) are found by their structure, whatever the layer
-  kinds say, and wrapped the same way. A layer that is neither attention nor holds a wrapped mixer has no
-  packed path; a wrapped mixer that cannot run as a padded batch (the packed probe raises where each sequence
-  alone ran) means one forward per sequence.
+- token mixers with a state and no packed path (a depthwise token convolution: lfm2; a state-space recurrence:
+  the Mamba mixers of falcon_h1, jamba, mamba) are found by their structure, whatever the layer kinds say.
 - at load, a leak probe packs two sequences and compares each with itself run alone, in the target's dtype:
   the first has nothing before it to leak from, so its difference is the packing's own rounding (matmul shapes,
   MoE expert batches); the second's must stay within PROBE_NOISE_FACTOR x that noise, at least a floor below
@@ -90,30 +87,22 @@ class LeakProbe:
         return f"change {self.leak:.2g}, rounding noise {self.noise:.2g}, tolerance {self.tolerance:.2g}"
 
 
-def stateful_mixers(module: nn.Module) -> list[str]:
-    """The token mixers in `module` that keep a state across tokens, found by their structure whatever the layer
-    kinds say: a module with a state-space decay `A_log` (the Mamba mixers of falcon_h1, jamba, mamba) and the
-    owner of a depthwise token convolution (lfm2's short convolution); none inside another or a wrapper."""
-    found: list[str] = []
-    handled: list[str] = []  # found or wrapped already: their insides are covered
-    for name, m in module.named_modules():
-        if any(name.startswith(h + ".") for h in handled):
+def _stateful_mixer(model: nn.Module, prefix: str = "") -> str | None:
+    """The guard for what the layer kinds do not say (and a probe could miss): a token mixer that keeps a state
+    across tokens — a depthwise (token) convolution or a state-space decay `A_log` — outside the padded-batch
+    wrappers has no packed path. The reason, naming the module, or None."""
+    wrapped = [name for name, m in model.named_modules() if isinstance(m, PaddedBatchMixer)]
+    for name, module in model.named_modules():
+        if any(name.startswith(w + ".") for w in wrapped):
             continue
-        if isinstance(m, PaddedBatchMixer):
-            handled.append(name)
-        elif isinstance(getattr(m, "A_log", None), nn.Parameter):
-            found.append(name)
-            handled.append(name)
-        elif isinstance(m, nn.Conv1d) and m.groups == m.in_channels > 1 and "." in name:
-            owner = name.rpartition(".")[0]
-            if owner not in found:
-                found.append(owner)
-                handled.append(owner)
-    return found
-
-
-class PackingFailed(RuntimeError):
-    """The packed forward raised where each sequence alone ran: a wrapped mixer cannot run as a padded batch."""
+        if isinstance(module, nn.Conv1d) and module.groups == module.in_channels > 1:
+            what = "a depthwise convolution over the tokens"
+        elif isinstance(getattr(module, "A_log", None), nn.Parameter):
+            what = "a state-space recurrence (A_log)"
+        else:
+            continue
+        return f"{prefix}{name} ({type(module).__name__}) is {what}, which carries a state from one sequence into the next"
+    return None
 
 
 def _relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -175,11 +164,9 @@ class Segments:
 
 
 class PaddedBatchMixer(nn.Module):
-    """Runs a recurrent token mixer (Gated DeltaNet, a Mamba mixer, a short convolution) on packed sequences as
-    right-padded batches.
+    """Runs a recurrent token mixer (e.g. Gated DeltaNet) on packed sequences as right-padded batches.
 
-    The wrapped module is the model's own; only its input is regrouped, so no state crosses sequences (causal:
-    the padding after a sequence never reaches it). Called with the hidden states alone (no cache, no mask).
+    The wrapped module is the model's own; only its input is regrouped, so no state crosses sequences.
     """
 
     def __init__(self, inner: nn.Module, capture: TargetCapture):
@@ -189,8 +176,8 @@ class PaddedBatchMixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         seg = self._capture[0].segments
-        if seg is None:  # one sequence: nothing to keep apart, the model's own call
-            return self.inner(hidden_states, *args, **kwargs)
+        if seg is None:  # one sequence: nothing to keep apart
+            return self.inner(hidden_states)
         flat = hidden_states[0]  # [T, H]
         padded_source = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
         out = None
@@ -232,7 +219,7 @@ class TargetCapture:
             if k != self.last_block:
                 model.layers[i].register_forward_hook(self._copy_hook(k))
         self.packing = "position_ids"  # how a packed batch keeps its sequences apart (module docstring)
-        self.per_sequence_reason = self._wrap_token_mixers()
+        self.per_sequence_reason = self._wrap_linear_layers()
         if self.per_sequence_reason is None:
             self.per_sequence_reason = self._choose_packing()
         if self.per_sequence_reason:
@@ -248,10 +235,7 @@ class TargetCapture:
         probes = {}
         for mode in modes:
             self.packing = mode
-            try:
-                probes[mode] = self.packing_leak()
-            except PackingFailed as err:
-                return f"{type(self.model).__name__}: a packed forward fails where each sequence alone runs ({err})"
+            probes[mode] = self.packing_leak()
             if probes[mode].passed:
                 return None
         return (
@@ -280,24 +264,22 @@ class TargetCapture:
         """True when a batch of several sequences runs as one forward."""
         return self.per_sequence_reason is None
 
-    def _wrap_token_mixers(self) -> str | None:
-        """Wrap every stateful token mixer in PaddedBatchMixer: the `linear_attn` of linear-attention layers and
-        what stateful_mixers finds. The reason packing is impossible (a layer that is neither attention nor
-        holds a wrapped mixer), or None."""
+    def _wrap_linear_layers(self) -> str | None:
+        """Wrap every linear-attention mixer in PaddedBatchMixer; the reason packing is impossible, or None."""
         kinds = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.layers_run)
+        unknown = sorted(set(kinds) - ATTENTION_KINDS - {LINEAR_KIND})
+        if unknown:
+            return f"layer types {unknown} have no packed path"
         for i, kind in enumerate(kinds):
+            if kind != LINEAR_KIND:
+                continue
             layer = self.model.layers[i]
-            if kind == LINEAR_KIND and isinstance(getattr(layer, "linear_attn", None), nn.Module):
-                layer.linear_attn = PaddedBatchMixer(layer.linear_attn, self)
-        for name in stateful_mixers(self.model):
-            parent, _, attr = name.rpartition(".")
-            owner = self.model.get_submodule(parent)
-            setattr(owner, attr, PaddedBatchMixer(getattr(owner, attr), self))
-        unknown = sorted({
-            kind for i, kind in enumerate(kinds) if kind not in ATTENTION_KINDS
-            and not any(isinstance(m, PaddedBatchMixer) for m in self.model.layers[i].modules())
-        })  # fmt: skip
-        return f"layer types {unknown} have no packed path" if unknown else None
+            if not isinstance(getattr(layer, "linear_attn", None), nn.Module):  # e.g. a Mamba mixer (jamba, mamba)
+                return _stateful_mixer(layer, f"layers.{i}.") or (
+                    f"linear-attention layer {i} ({type(layer).__name__}) has no `linear_attn` module to wrap"
+                )
+            layer.linear_attn = PaddedBatchMixer(layer.linear_attn, self)
+        return _stateful_mixer(self.model)
 
     @torch.inference_mode()
     def packing_leak(self) -> LeakProbe:
@@ -308,11 +290,8 @@ class TargetCapture:
         vocab = int(self.config.vocab_size)
         first = torch.randint(0, vocab, (13,), generator=gen)
         second = torch.randint(0, vocab, (7,), generator=gen)
+        packed = self._packed(torch.cat([first, second]), torch.tensor([0, 13, 20])).float()
         alone = [self._packed(s, torch.tensor([0, len(s)])).float() for s in (first, second)]
-        try:
-            packed = self._packed(torch.cat([first, second]), torch.tensor([0, 13, 20])).float()
-        except Exception as err:
-            raise PackingFailed(f"{type(err).__name__}: {err}") from err
         return LeakProbe(
             noise=_relative_change(packed[:13], alone[0]),
             leak=_relative_change(packed[13:], alone[1]),

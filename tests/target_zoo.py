@@ -8,8 +8,7 @@ sinks (gpt-oss), Gated DeltaNet linear attention (qwen3_next, qwen3_5), llama3 R
 RoPE (gemma3), and the Qwen3.6-27B multimodal wrapper (`Qwen3_5ForConditionalGeneration`: text decoder under
 `model.language_model.`, a vision tower under `model.visual.`).
 
-Stable API (the drafter matrix builds on it): ARCHS (all packed), STATEFUL_ARCHS (of them: recurrent or
-convolution mixers), WRAPPER_ONLY (producer and parts only), EXAMPLES, SLIDING_WINDOW, VOCAB_SIZE, MASK_ID, EOS_ID,
+Stable API (the drafter matrix builds on it): ARCHS (packed), FALLBACK_ARCHS (per-sequence), EXAMPLES, SLIDING_WINDOW, VOCAB_SIZE, MASK_ID, EOS_ID,
 build_target(arch, out_dir, *, seed=0, num_layers=None), build_tokenizer(out_dir=None), text_config(arch).
 """
 
@@ -235,15 +234,15 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
 # tower): the zoo name → the text architecture inside it
 WRAPPERS = {"qwen3_5_vl": "qwen3_5_text", "gemma3_vl": "gemma3_text", "mistral3_vl": "mistral3_text",
             "qwen3_vl": "qwen3_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "llama4_vl": "llama4_text"}
-# a short convolution (lfm2) or Mamba mixers (falcon_h1, jamba, mamba) keep a state across tokens: the producer
-# runs them as padded batches inside the packed forward (and one forward per sequence when that is impossible)
-STATEFUL_ARCHS: list[str] = ["lfm2", "falcon_h1", "jamba", "mamba"]
+# supported through the per-sequence fallback only: a short convolution (lfm2), Mamba mixers (falcon_h1, jamba,
+# mamba) keep a state across tokens that a packed forward would carry from one sequence into the next
+FALLBACK_ARCHS: list[str] = ["lfm2", "falcon_h1", "jamba", "mamba"]
 _TEXT_ONLY = {"mistral3_text", "qwen3_vl_text", "qwen2_5_vl_text", "llama4_text"}  # built inside their wrapper only
 # Llama 4's wrapper cannot run a text-only forward in transformers 5.24 (its output lacks `image_outputs`): the
 # producer and the parts loader are tested on it (its `language_model` is the reference), the drafter is not
 WRAPPER_ONLY: list[str] = ["llama4_vl"]
 ARCHS: list[str] = [
-    *(a for a in _CONFIGS if a not in _TEXT_ONLY), *(w for w in WRAPPERS if w not in WRAPPER_ONLY)
+    *(a for a in _CONFIGS if a not in FALLBACK_ARCHS and a not in _TEXT_ONLY), *(w for w in WRAPPERS if w not in WRAPPER_ONLY)
 ]
 
 

@@ -12,6 +12,7 @@ import transformers
 from target_zoo import (
     ARCHS,
     EOS_ID,
+    FALLBACK_ARCHS,
     MASK_ID,
     SPECIAL_TOKENS,
     VOCAB_SIZE,
@@ -47,7 +48,7 @@ def features(target, seqs: list[torch.Tensor], layer_ids: list[int]) -> torch.Te
     return torch.cat([layer_outputs(target, ids, layer_ids) for ids in seqs])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FALLBACK_ARCHS)
 def test_drafter_trains_exports_and_decodes_losslessly(arch, tmp_path):
     path = build_target(arch, tmp_path / "target")
     sharpen(arch, path)

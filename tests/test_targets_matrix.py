@@ -19,8 +19,8 @@ import transformers
 from jobs import write_job
 from target_zoo import (
     ARCHS,
+    FALLBACK_ARCHS,
     SLIDING_WINDOW,
-    STATEFUL_ARCHS,
     VOCAB_SIZE,
     WRAPPER_ONLY,
     build_target,
@@ -30,10 +30,10 @@ from target_zoo import (
 from transformers import AutoModelForCausalLM
 
 from common.profile import ProfileStats
-from consumer.target_parts import load_target_parts
+from consumer.target_parts import TargetPartsError, load_target_parts
 from producer import capture, packed_attention
 from producer.capture import PaddedBatchMixer, Segments
-from producer.target import TargetLoadError, load_target
+from producer.target import TargetLoadError, choose_attn_implementation, load_target
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [5, 17, 1, 30, 12]  # 30 and 17 > SLIDING_WINDOW: a window leak or a lost window would show
@@ -43,7 +43,7 @@ assert max(LENGTHS) > SLIDING_WINDOW
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo")
-    return {arch: build_target(arch, root / arch) for arch in ARCHS + WRAPPER_ONLY}
+    return {arch: build_target(arch, root / arch) for arch in ARCHS + FALLBACK_ARCHS + WRAPPER_ONLY}
 
 
 def packed_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,21 +104,16 @@ def test_packed_batch_equals_each_sequence_alone(zoo, arch, monkeypatch):
     # the CPU default attends per sequence (Σ L², no [T, T] mask): one call per sequence and attention layer,
     # each as long as its sequence (the reference model runs plain sdpa or eager, unseen by the spy); gpt-oss
     # (attention sinks, no sdpa) through its own eager attention
-    expected = {"gpt_oss": packed_attention.EAGER_NAME, "mamba": "eager"}  # mamba: no attention at all
-    assert cap.attn_implementation == expected.get(arch, packed_attention.NAME)
-    kinds = getattr(text, "layer_types", None) or ["full_attention"] * n  # falcon_h1: "hybrid", both in one
-    attention_layers = sum(kind not in ("linear_attention", "conv") for kind in kinds)
-    wrapped = sum(isinstance(m, PaddedBatchMixer) for m in cap.model.modules())
-    assert wrapped == {"lfm2": 2, "falcon_h1": 3, "jamba": 2, "mamba": 3, "qwen3_next": 3, "qwen3_5_text": 3,
-                       "qwen3_5_moe": 3, "qwen3_5_vl": 3}.get(arch, 0)  # recurrent mixers as padded batches
+    assert cap.attn_implementation == (packed_attention.EAGER_NAME if arch == "gpt_oss" else packed_attention.NAME)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * n
+    attention_layers = sum(kind != "linear_attention" for kind in kinds)
     assert [q for q, _ in spy.calls] == LENGTHS * attention_layers
     window = {windowed(mask) for q, mask in spy.calls if q > SLIDING_WINDOW}
     both = ("gemma3_text", "gemma3_vl", "gpt_oss")  # sliding and full layers
-    if attention_layers:
-        assert window == ({True, False} if arch in both else {arch == "mistral_sliding"})
+    assert window == ({True, False} if arch in both else {arch == "mistral_sliding"})
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FALLBACK_ARCHS)
 def test_target_parts_are_the_models_own(zoo, arch):
     full = load_model(zoo[arch])
     text = full.config.get_text_config()
@@ -269,6 +264,7 @@ def test_padded_groups_cover_every_token_once_and_bound_the_padding():
 def test_a_leak_is_caught_by_the_probe_and_the_batch_runs_per_sequence(zoo, monkeypatch):
     """Without the padded-batch wrapper, Gated DeltaNet state would cross sequences: the probe must notice."""
     monkeypatch.setattr(PaddedBatchMixer, "forward", lambda self, hidden_states, *a, **k: self.inner(hidden_states))
+    monkeypatch.setattr(capture, "_stateful_mixer", lambda model, prefix="": None)  # leave it to the probe
     cap = load_target(zoo["qwen3_5_text"], layer_ids=[0, 1, 2, 3], dtype="float32")
     assert not cap.packed and "differ from the sequence run alone" in cap.per_sequence_reason
     full = AutoModelForCausalLM.from_pretrained(zoo["qwen3_5_text"], dtype=torch.float32).eval()
@@ -327,16 +323,21 @@ def test_the_probe_tolerance_follows_the_measured_noise():
     assert not capture.LeakProbe(noise=0.0, leak=2e-3, floor=capture.PROBE_FLOOR[torch.bfloat16]).passed
 
 
-@pytest.mark.parametrize("arch", STATEFUL_ARCHS)
-def test_a_leaking_mixer_falls_back_per_sequence_counted_and_exact(zoo, arch, monkeypatch, caplog):
-    """With their padded batches disabled, the state of lfm2's convolution and the Mamba mixers crosses
-    sequences: the probe sees it, and the batches run one forward per sequence, exact and counted."""
-    monkeypatch.setattr(PaddedBatchMixer, "forward", lambda self, hidden_states, *a, **k: self.inner(hidden_states))
+FALLBACK_REASONS = {  # why each runs one forward per sequence
+    "lfm2": "layer types ['conv'] have no packed path",
+    "falcon_h1": "layer types ['hybrid'] have no packed path",
+    "jamba": "layers.0.mamba (JambaMambaMixer) is a state-space recurrence (A_log)",
+    "mamba": "layers.0.mixer (MambaMixer) is a state-space recurrence (A_log)",
+}
+
+
+@pytest.mark.parametrize("arch", FALLBACK_ARCHS)
+def test_a_layer_kind_with_no_packed_path_falls_back_counted_and_exact(zoo, arch, caplog):
     full = load_model(zoo[arch])
     n = full.config.num_hidden_layers
     with caplog.at_level("WARNING", logger="producer.target"):
         cap = load_target(zoo[arch], layer_ids=list(range(n)), dtype="float32")
-    assert cap.packing == "per_sequence" and "differ from the sequence run alone" in cap.per_sequence_reason
+    assert cap.packing == "per_sequence" and FALLBACK_REASONS[arch] in cap.per_sequence_reason
     assert sum("one forward per sequence" in r.message for r in caplog.records) == 1  # logged once, at load
     cap.prof = ProfileStats()
     ids, cu = packed_batch(2)
@@ -346,46 +347,40 @@ def test_a_leaking_mixer_falls_back_per_sequence_counted_and_exact(zoo, arch, mo
     assert cap.prof.snapshot()["counters"]["target_per_sequence_batches"] == 1
 
 
-def test_a_layer_kind_with_no_packed_path_falls_back(zoo, monkeypatch):
-    monkeypatch.setattr(capture, "stateful_mixers", lambda model: [])  # lfm2's convolution left unwrapped
-    cap = load_target(zoo["lfm2"], layer_ids=[0, 1, 2], dtype="float32")
-    assert cap.per_sequence_reason == "layer types ['conv'] have no packed path"
-    full = load_model(zoo["lfm2"])
-    ids, cu = packed_batch(2)
-    assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
-
-
-def test_a_mixer_that_cannot_run_as_a_padded_batch_falls_back(zoo, monkeypatch):
-    real = PaddedBatchMixer.forward
-
-    def needs_its_cache(self, hidden_states, *args, **kwargs):
-        if self._capture[0].segments is not None:
-            raise TypeError("forward() missing 1 required positional argument: 'cache_params'")
-        return real(self, hidden_states, *args, **kwargs)
-
-    monkeypatch.setattr(PaddedBatchMixer, "forward", needs_its_cache)
-    cap = load_target(zoo["mamba"], layer_ids=[0, 1, 2], dtype="float32")
-    assert cap.per_sequence_reason == (
-        "MambaModel: a packed forward fails where each sequence alone runs (TypeError: forward() missing 1"
-        " required positional argument: 'cache_params')"
-    )
-    ids, cu = packed_batch(2)
-    assert max_diff_to_alone(cap, load_model(zoo["mamba"]), ids, cu) <= 1e-5
-
-
 def test_a_state_space_mixer_is_found_whatever_the_layer_kinds_say(zoo, monkeypatch):
-    """The structure, not the layer kinds: falcon_h1 with its kinds claiming plain attention still runs its Mamba
-    mixers as padded batches, exactly."""
+    """The structural guard: falcon_h1 with its layer kinds claiming plain attention still runs per sequence."""
     monkeypatch.setattr(
         transformers.FalconH1Config, "layers_block_type", property(lambda c: ["full_attention"] * c.num_hidden_layers)
     )
     cap = load_target(zoo["falcon_h1"], layer_ids=[0, 1], dtype="float32")
-    assert cap.packed and capture.stateful_mixers(cap.model) == []  # all wrapped
-    assert [n for n, m in cap.model.named_modules() if isinstance(m, PaddedBatchMixer)] == [
-        "layers.0.mamba", "layers.1.mamba"
-    ]
-    ids, cu = packed_batch(2)
-    assert max_diff_to_alone(cap, load_model(zoo["falcon_h1"]), ids, cu) <= 1e-5
+    assert cap.per_sequence_reason == (
+        "layers.0.mamba (FalconH1Mixer) is a state-space recurrence (A_log), which carries a state from one"
+        " sequence into the next"
+    )
+
+
+def test_attention_implementation_choice():
+    llama, qwen35, gpt_oss = (
+        transformers.LlamaForCausalLM, transformers.Qwen3_5ForCausalLM, transformers.GptOssForCausalLM
+    )
+    assert choose_attn_implementation(llama, "auto", "cuda:0") == "flex_attention"  # no dense [T, T] mask
+    assert choose_attn_implementation(qwen35, "auto", "cuda") == "sdpa"  # no flex support in transformers
+    assert choose_attn_implementation(gpt_oss, "auto", "cuda") == "flex_attention"
+    assert choose_attn_implementation(llama, "auto", "cpu") == "packed_sdpa"  # sdpa per sequence: Σ L²
+    assert choose_attn_implementation(qwen35, "auto", "cpu") == "packed_sdpa"
+    assert choose_attn_implementation(gpt_oss, "auto", "cpu") == "packed_eager"  # its own eager per sequence
+    assert choose_attn_implementation(llama, "eager", "cuda") == "eager"
+    assert choose_attn_implementation(llama, "sdpa", "cpu") == "sdpa"
+    with pytest.raises(TargetLoadError, match=r"GptOssForCausalLM does not support attn_implementation 'sdpa'"):
+        choose_attn_implementation(gpt_oss, "sdpa", "cpu")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(TargetLoadError, match=r"unsupported target architecture .*no causal-LM class.*ViTConfig"):
+        load_target(tmp_path)
+    with pytest.raises(TargetPartsError, match=r"unsupported target architecture .*no causal-LM class.*ViTConfig"):
+        load_target_parts(tmp_path)
 
 
 @pytest.mark.cuda
