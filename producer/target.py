@@ -2,13 +2,16 @@
 forward that captures the hidden states the drafter is conditioned on).
 
 Any decoder-only causal LM transformers knows, including multimodal wrappers: the decoder is the base model
-class of the checkpoint's TEXT config (`config.get_text_config()`, which must have a causal-LM class in
-MODEL_FOR_CAUSAL_LM_MAPPING; its base model from MODEL_MAPPING), so a `Qwen3_5ForConditionalGeneration`
-checkpoint (Qwen3.6-27B) loads as `Qwen3_5TextModel`, the library's own key mapping renames
-`model.language_model.*`, and from_pretrained materialises only the tensors the model has: never the vision
-tower, never the LM head. The text config is cut to `max(layer_ids) + 1` layers before loading, so later layers
-are never read either; the final norm is dropped (kept only when the last layer itself is captured, since HF's
-hidden_states[N] is normed).
+class of the checkpoint's TEXT config (`config.get_text_config()`, its base model from MODEL_MAPPING; the text
+config has a causal-LM class, or the checkpoint's own class is a generative wrapper holding that decoder:
+Qwen3-VL, Qwen2.5-VL), so a `Qwen3_5ForConditionalGeneration` checkpoint (Qwen3.6-27B) loads as
+`Qwen3_5TextModel`. Stored names are mapped as the checkpoint's class maps them (common/target_keys.py: a
+Gemma 3 or Mistral-Small-3 wrapper's `language_model.model.*` becomes a key_mapping for the decoder), and
+from_pretrained materialises only the tensors the model has: never the vision tower, never the LM head. The
+text config is cut to `max(layer_ids) + 1` layers before loading, so later layers are never read either; the
+final norm is dropped (kept only when the last layer itself is captured, since HF's hidden_states[N] is normed).
+Whatever the model's own code raises while loading (a hook, the leak probe's forward) becomes a TargetLoadError
+naming the architecture: the entry points exit 2 with that one line.
 
 Attention implementation ("auto"): on CUDA flex_attention where the model supports it (the packed mask becomes
 a block mask: no dense [T, T] tensor), else sdpa; on the CPU "packed_sdpa" where the model supports sdpa
