@@ -13,7 +13,6 @@ a 27B target costs two [V, H] reads, never the vision tower or the layers.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from common.weight_files import WeightFileError, check_weight_files, safetensors_files
+from common.target_keys import checkpoint_class, meta_model, parameter_names, stored_keys
+from common.weight_files import WeightFileError, check_weight_files
 
 
 class TargetPartsError(RuntimeError):
@@ -101,7 +99,12 @@ def _dims(text: PretrainedConfig, cfg_file: Path) -> dict:
             raise TargetPartsError(f"{cfg_file}: {type(text).__name__} has no {name}; the drafter needs it")
         return value
 
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    attention = getattr(text, "num_attention_heads", None)
+    # a pure state-space target (mamba) has no attention heads (a mamba2 `head_dim` is its SSM's): the drafter's
+    # attention gets heads 128 wide, or one head when narrower
+    heads = int(attention or max(1, hidden // 128))
+    head_dim = int((getattr(text, "head_dim", None) if attention else None) or hidden // heads)
     width = getattr(text, "intermediate_size", None)
     if width is None and getattr(text, "moe_intermediate_size", None):  # MoE-only targets (Qwen3.5-MoE)
         width = int(text.moe_intermediate_size) * int(getattr(text, "num_experts_per_tok", 1))
@@ -111,7 +114,7 @@ def _dims(text: PretrainedConfig, cfg_file: Path) -> dict:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+        head_dim=head_dim,
         intermediate_size=int(width),
         rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
         vocab_size=int(need("vocab_size")),
@@ -121,21 +124,22 @@ def _dims(text: PretrainedConfig, cfg_file: Path) -> dict:
 
 
 def _meta_model(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> nn.Module:
-    """transformers' causal-LM class for the text config, one layer deep, on the meta device (names only)."""
-    try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
-    except KeyError:
+    """The class the checkpoint was saved from, when it is generative (an LM head: a causal LM, a multimodal
+    wrapper such as Gemma3ForConditionalGeneration or Qwen3VLForConditionalGeneration), else transformers'
+    causal-LM class for the text config; one layer deep, on the meta device (names only). Its own conversion
+    mapping is the one that names the stored keys."""
+    cls = checkpoint_class(config)
+    if cls is not None:
+        model = meta_model(cls, config)
+        if model.get_output_embeddings() is not None:
+            return model
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         raise TargetPartsError(
             f"{path}: unsupported target architecture {arch}: transformers has no causal-LM class for its text"
             f" config {type(text).__name__} (model_type {text.model_type!r}), which names the embedding and LM head"
-        ) from None
-    small = copy.deepcopy(text)
-    small.num_hidden_layers = 1
-    if getattr(small, "layer_types", None):
-        small.layer_types = small.layer_types[:1]
-    with torch.device("meta"):
-        return cls(small)
+        )
+    return meta_model(MODEL_FOR_CAUSAL_LM_MAPPING[type(text)], text)
 
 
 def _param_name(model: nn.Module, module: nn.Module, what: str) -> str:
@@ -149,31 +153,17 @@ def _stored_keys(path: Path, model: nn.Module) -> dict[str, tuple[Path, str]]:
     """Each model parameter name → (safetensors file, checkpoint key), through the library's key mapping."""
     try:
         check_weight_files(path)
-        files = safetensors_files(path)
+        by_key = stored_keys(path)
     except WeightFileError as err:
         raise TargetPartsError(str(err)) from None
-    if not files:
+    if not by_key:
         raise TargetPartsError(
             f"{path}: neither model.safetensors nor model.safetensors.index.json exists in the target directory"
         )
-    by_key = {key: file for file in files for key in _keys(file)}
-    mapping = get_model_conversion_mapping(model, None, None)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    params = dict(model.named_parameters(remove_duplicate=False))
     stored: dict[str, tuple[Path, str]] = {}
-    for key, file in by_key.items():
-        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, params)
-        stored.setdefault(name, (file, key))
+    for key, name in parameter_names(model, list(by_key)).items():
+        stored.setdefault(name, (by_key[key], key))
     return stored
-
-
-def _keys(file: Path) -> list[str]:
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError) as err:
-        raise TargetPartsError(f"{file}: not a readable safetensors file: {err}") from None
 
 
 def _read_tensor(stored: dict[str, tuple[Path, str]], name: str, path: Path) -> torch.Tensor:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from common.accounting import DeliveryLedger, plan_records
 from common.config import ConfigError, JobConfig, load_job
@@ -30,6 +30,7 @@ from producer.plan import BatchPlan
 from producer.prefetch import PackedBatch, Prefetcher
 from producer.service import ProducerService, create_ring
 from producer.target import TargetLoadError, load_target
+from producer.tokenizer import load_tokenizer
 from producer.tp import LeaderTarget, TPRank, TPSetupError, distributed_config, ep_shard, follow, init_group
 
 log = logging.getLogger("producer")
@@ -68,10 +69,7 @@ def ring_before_target(job: JobConfig, node: int, replica: int) -> SlotRing | No
 
 def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatDataset, BatchPlan]:
     tok_path = job.data.tokenizer or job.target.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise DataError(f"{tok_path}: cannot load the tokenizer: {err}") from err
+    tokenizer = load_tokenizer(tok_path)  # DataError: no tokenizer files there, named
     start = time.perf_counter()
     encoder = ChatEncoder(tokenizer, job.data.max_length, str(tok_path), job.data.chat_template_kwargs)
     limits = RecordLimits(job.data.max_record_bytes, job.data.record_time_limit_s)

@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from producer.data import DataError, Format, Message, iter_messages, location, open_dataset_file
 from producer.regenerate_server import (
@@ -41,7 +42,8 @@ from producer.regenerate_server import (
     check_options,
     regenerate_via_server,
 )
-from producer.target import DTYPES, TargetLoadError
+from producer.target import DTYPES, GENERATE_ORDER, TargetLoadError, choose_attn_implementation
+from producer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +99,21 @@ def completed_lines(out_path: Path) -> set[int]:
 def load_generator(target_dir: Path, dtype: str, device: str, attn_implementation: str):
     if not (target_dir / "config.json").is_file():
         raise TargetLoadError(f"{target_dir}: no config.json (not a local model directory)")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True, padding_side="left")
+    tokenizer = load_tokenizer(target_dir, padding_side="left")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{target_dir}: the tokenizer has no chat template")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     try:
+        config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetLoadError(f"{target_dir}: not a causal LM transformers can generate with: {err}") from err
+    # "auto": the model's own choice among what it supports (gemma2 has no sdpa: its soft-capping is eager's)
+    attn = choose_attn_implementation(model_cls, attn_implementation, device, GENERATE_ORDER)
+    try:
         model = AutoModelForCausalLM.from_pretrained(
-            target_dir, local_files_only=True, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+            target_dir, local_files_only=True, dtype=DTYPES[dtype], attn_implementation=attn
         )
     except OSError as err:
         raise TargetLoadError(f"{target_dir}: cannot load the target: {err}") from err
@@ -122,7 +131,7 @@ def regenerate(
     seed: int = 0,
     dtype: str = "bfloat16",
     device: str = "cpu",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     chat_template_kwargs: dict[str, Any] | None = None,
     fmt: Format = "chat",
 ) -> RegenerateStats:
@@ -274,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--batch-size", type=int, default=8)
     local.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     local.add_argument("--device", default="cpu")
-    local.add_argument("--attn-implementation", default="sdpa")
+    local.add_argument("--attn-implementation", default="auto",
+                       help="auto (default): sdpa where the model supports it, else eager; or name one")
     server = p.add_argument_group("server (--server)")
     server.add_argument("--model", help="model name to request (default: the one the server lists)")
     server.add_argument("--concurrency", type=int, default=8, help="requests in flight")

@@ -2,13 +2,16 @@
 forward that captures the hidden states the drafter is conditioned on).
 
 Any decoder-only causal LM transformers knows, including multimodal wrappers: the decoder is the base model
-class of the checkpoint's TEXT config (`config.get_text_config()`, which must have a causal-LM class in
-MODEL_FOR_CAUSAL_LM_MAPPING; its base model from MODEL_MAPPING), so a `Qwen3_5ForConditionalGeneration`
-checkpoint (Qwen3.6-27B) loads as `Qwen3_5TextModel`, the library's own key mapping renames
-`model.language_model.*`, and from_pretrained materialises only the tensors the model has: never the vision
-tower, never the LM head. The text config is cut to `max(layer_ids) + 1` layers before loading, so later layers
-are never read either; the final norm is dropped (kept only when the last layer itself is captured, since HF's
-hidden_states[N] is normed).
+class of the checkpoint's TEXT config (`config.get_text_config()`, its base model from MODEL_MAPPING; the text
+config has a causal-LM class, or the checkpoint's own class is a generative wrapper holding that decoder:
+Qwen3-VL, Qwen2.5-VL), so a `Qwen3_5ForConditionalGeneration` checkpoint (Qwen3.6-27B) loads as
+`Qwen3_5TextModel`. Stored names are mapped as the checkpoint's class maps them (common/target_keys.py: a
+Gemma 3 or Mistral-Small-3 wrapper's `language_model.model.*` becomes a key_mapping for the decoder), and
+from_pretrained materialises only the tensors the model has: never the vision tower, never the LM head. The
+text config is cut to `max(layer_ids) + 1` layers before loading, so later layers are never read either; the
+final norm is dropped (kept only when the last layer itself is captured, since HF's hidden_states[N] is normed).
+Whatever the model's own code raises while loading (a hook, the leak probe's forward) becomes a TargetLoadError
+naming the architecture: the entry points exit 2 with that one line.
 
 Attention implementation ("auto"): on CUDA flex_attention where the model supports it (the packed mask becomes
 a block mask: no dense [T, T] tensor), else sdpa; on the CPU "packed_sdpa" where the model supports sdpa
@@ -32,6 +35,14 @@ from transformers.distributed import DistributedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
 from common.config import dflash_layer_ids
+from common.target_keys import (
+    checkpoint_class,
+    decoder_key_mapping,
+    meta_model,
+    set_layer_count,
+    stored_keys,
+    submodule_name,
+)
 from common.weight_files import WeightFileError, check_weight_files
 from producer import packed_attention
 from producer.capture import TargetCapture
@@ -49,22 +60,27 @@ AUTO_ORDER = {
     "cuda": ("flex_attention", "sdpa", "eager"),
     "cpu": (packed_attention.NAME, packed_attention.EAGER_NAME, "eager"),
 }
+# generation (producer regenerate) pads its batches and grows a KV cache, packs nothing: sdpa where the model
+# supports it, else its eager attention (gemma2's soft-capping, gpt-oss' sinks), on either device
+GENERATE_ORDER = {"cuda": ("sdpa", "eager"), "cpu": ("sdpa", "eager")}
 
-__all__ = ["DTYPES", "TargetCapture", "TargetLoadError", "choose_attn_implementation", "load_target"]
+__all__ = ["DTYPES", "GENERATE_ORDER", "TargetCapture", "TargetLoadError", "choose_attn_implementation", "load_target"]
 
 
 class TargetLoadError(RuntimeError):
     """The target directory cannot be used; the message names the path and what is missing."""
 
 
-def choose_attn_implementation(model_cls: type, requested: str, device: str) -> str:
-    """The attention implementation to load `model_cls` with ("auto": see the module docstring)."""
+def choose_attn_implementation(
+    model_cls: type, requested: str, device: str, order: dict[str, tuple[str, ...]] = AUTO_ORDER
+) -> str:
+    """The attention implementation to load `model_cls` with ("auto": the first of `order` for the device that
+    the model supports; see the module docstring)."""
     supported = [impl for impl, flag in ATTN_FLAGS if flag is None or getattr(model_cls, flag, False)]
     if packed_attention.model_eager_attention(model_cls) is None:
         supported.remove(packed_attention.EAGER_NAME)
     if requested == "auto":
-        order = AUTO_ORDER["cuda" if device.startswith("cuda") else "cpu"]
-        return next(impl for impl in order if impl in supported)
+        return next(impl for impl in order["cuda" if device.startswith("cuda") else "cpu"] if impl in supported)
     if requested not in supported:
         raise TargetLoadError(
             f"{model_cls.__name__} does not support attn_implementation {requested!r}; it supports"
@@ -111,14 +127,25 @@ def load_target(
     if dtype not in DTYPES:
         raise TargetLoadError(f"{path}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     keep = max(ids) + 1
-    text.num_hidden_layers = keep
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:keep]
+    set_layer_count(text, keep)
     attn = choose_attn_implementation(model_cls, attn_implementation, device)
     try:
         check_weight_files(path)
     except WeightFileError as err:
         raise TargetLoadError(str(err)) from None
+    arch = _architecture(config)
+    try:
+        return _load(path, config, text, model_cls, ids, n_layers, dtype, device, attn, distributed_config)
+    except TargetLoadError:
+        raise
+    except Exception as err:
+        raise TargetLoadError(f"{path}: the {arch} target ({model_cls.__name__}) failed to load: {_what(err, attn)}") from err
+
+
+def _load(path: Path, config: PretrainedConfig, text: PretrainedConfig, model_cls: type, ids: list[int],
+          n_layers: int, dtype: str, device: str, attn: str, distributed_config: DistributedConfig | None) -> TargetCapture:
+    keep = max(ids) + 1
+    key_mapping = decoder_key_mapping(path, config, model_cls)  # a wrapper's `language_model.model.*` names
     # The skipped layers' weights are "unexpected" by design; the report about them is silenced and any
     # missing weight is turned into an error instead (a random layer would silently corrupt the features).
     report_logger = logging.getLogger("transformers.modeling_utils")
@@ -132,6 +159,7 @@ def load_target(
             dtype=DTYPES[dtype],
             attn_implementation=attn,
             output_loading_info=True,
+            key_mapping=key_mapping,
             **parallel,
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
@@ -140,9 +168,7 @@ def load_target(
         report_logger.removeFilter(_errors_only)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
-        raise TargetLoadError(
-            f"{path}: the weight files lack {len(missing)} tensor(s) the target needs: {missing[:5]}"
-        )
+        raise TargetLoadError(f"{path}: {_missing(path, config, missing)}")
     if keep < n_layers and hasattr(model, "norm"):
         model.norm = nn.Identity()  # the final norm only feeds the LM head
     if not hasattr(model, "layers") or len(model.layers) != keep:
@@ -154,15 +180,55 @@ def load_target(
 
 
 def _decoder_class(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> type:
-    """The base decoder class of a causal LM's text config; a clear error naming the architecture when none."""
-    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING or type(text) not in MODEL_MAPPING:
-        arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
-        raise TargetLoadError(
-            f"{path}: unsupported target architecture {arch} (model_type {config.model_type!r}): transformers"
-            f" has no causal-LM class for its text config {type(text).__name__} (model_type"
-            f" {text.model_type!r}), and the producer runs the text decoder of a causal LM"
+    """The base decoder class of the text config: that of a causal LM, or the text decoder a generative
+    multimodal wrapper holds (Qwen3-VL, Qwen2.5-VL: no causal-LM class for their text config); a clear error
+    naming the architecture when neither."""
+    decoder = MODEL_MAPPING.get(type(text), None)
+    if decoder is not None and (type(text) in MODEL_FOR_CAUSAL_LM_MAPPING or _wraps(config, decoder)):
+        return decoder
+    raise TargetLoadError(
+        f"{path}: unsupported target architecture {_architecture(config)} (model_type {config.model_type!r}):"
+        f" transformers has no causal-LM class for its text config {type(text).__name__} (model_type"
+        f" {text.model_type!r}) and no generative wrapper in config.architectures holds its text decoder; the"
+        " producer runs the text decoder of a causal LM"
+    )
+
+
+def _wraps(config: PretrainedConfig, decoder: type) -> bool:
+    """True when the checkpoint's class is a generative model (an LM head) with a `decoder` inside."""
+    cls = checkpoint_class(config)
+    if cls is None or config is config.get_text_config():
+        return False
+    wrapper = meta_model(cls, config)
+    return bool(submodule_name(wrapper, decoder)) and wrapper.get_output_embeddings() is not None
+
+
+def _missing(path: Path, config: PretrainedConfig, missing: list[str]) -> str:
+    """What the weight files lack, or under which unmapped prefix they hold it."""
+    try:
+        elsewhere = sorted(k for k in stored_keys(path) if k.endswith("." + missing[0]))
+    except WeightFileError:
+        elsewhere = []
+    if elsewhere:
+        return (
+            f"{len(missing)} tensor(s) the text decoder needs, e.g. {missing[0]!r}, are stored as {elsewhere[0]!r}:"
+            f" under a prefix the conversion mapping of {_architecture(config)} in transformers does not map"
         )
-    return MODEL_MAPPING[type(text)]
+    return f"the weight files lack {len(missing)} tensor(s) the target needs: {missing[:5]}"
+
+
+def _architecture(config: PretrainedConfig) -> str:
+    return ", ".join(getattr(config, "architectures", None) or [config.model_type])
+
+
+def _what(err: Exception, attn: str) -> str:
+    """What went wrong, in words a user can act on."""
+    if isinstance(err, KeyError) and err.args and err.args[0] in packed_attention.NAMES:
+        return (
+            f"its code looks up the attention implementation {err.args[0]!r} in a table of its own that lacks it;"
+            " set target.attn_implementation = \"sdpa\" or \"eager\""
+        )
+    return f"{type(err).__name__}: {err} (attention implementation {attn!r})"
 
 
 def _weights_present(path: Path) -> str:

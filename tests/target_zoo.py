@@ -22,14 +22,27 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    FalconH1Config,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    JambaConfig,
     Lfm2Config,
+    Llama4Config,
+    Llama4ForConditionalGeneration,
+    Llama4TextConfig,
     LlamaConfig,
+    MambaConfig,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     MistralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
     Qwen2Config,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
@@ -38,6 +51,9 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLTextConfig,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
@@ -69,6 +85,14 @@ EXAMPLES: dict[str, str] = {
     "deepseek_v3": "deepseek-ai/DeepSeek-V3",
     "glm4_moe": "zai-org/GLM-4.5-Air",
     "lfm2": "LiquidAI/LFM2-1.2B",
+    "gemma3_vl": "google/gemma-3-27b-it",
+    "mistral3_vl": "mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+    "qwen3_vl": "Qwen/Qwen3-VL-8B-Instruct",
+    "qwen2_5_vl": "Qwen/Qwen2.5-VL-7B-Instruct",
+    "llama4_vl": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "falcon_h1": "tiiuae/Falcon-H1-7B-Instruct",
+    "jamba": "ai21labs/AI21-Jamba-Mini-1.7",
+    "mamba": "state-spaces/mamba-2.8b-hf",
 }
 
 _COMMON = dict(
@@ -176,16 +200,55 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
     ),
     # short-convolution layers with no packed path: the producer runs it one forward per sequence
     "lfm2": _cfg(Lfm2Config, head_dim=_DERIVED, layer_types=["conv", "full_attention", "conv"]),
+    "mistral3_text": _cfg(MistralConfig),
+    # multimodal RoPE (3 position rows: text, height, width); text-only input gives three identical rows
+    "qwen3_vl_text": _cfg(
+        Qwen3VLTextConfig,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
+    ),
+    "qwen2_5_vl_text": _cfg(
+        Qwen2_5_VLTextConfig, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])
+    ),
+    "llama4_text": _cfg(  # MoE every layer, chunked attention shorter than the test sequences, NoPE layers
+        Llama4TextConfig, num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1,
+        intermediate_size_mlp=128, interleave_moe_layer_step=1, no_rope_layers=[1, 0], attention_chunk_size=8,
+    ),
+    # state-space hybrids and a pure state-space model: their mixers keep a recurrent state across tokens
+    "falcon_h1": _cfg(  # every layer: attention and a Mamba-2 mixer side by side
+        FalconH1Config, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+    ),
+    "jamba": _cfg(  # Mamba layers, one attention layer of two, MoE every other layer
+        JambaConfig, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+        head_dim=_DERIVED,
+    ),
+    "mamba": _cfg(  # pure state space: no attention at all
+        MambaConfig, state_size=8, expand=2, conv_kernel=4, use_mambapy=False,
+        **{k: _DERIVED for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "max_position_embeddings")},
+    ),
 }
 
-FALLBACK_ARCHS: list[str] = ["lfm2"]  # supported through the per-sequence fallback only
-ARCHS: list[str] = [*(a for a in _CONFIGS if a not in FALLBACK_ARCHS), "qwen3_5_vl"]
+# multimodal wrappers, saved the way save_pretrained writes the published checkpoints (text decoder + vision
+# tower): the zoo name → the text architecture inside it
+WRAPPERS = {"qwen3_5_vl": "qwen3_5_text", "gemma3_vl": "gemma3_text", "mistral3_vl": "mistral3_text",
+            "qwen3_vl": "qwen3_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "llama4_vl": "llama4_text"}
+# supported through the per-sequence fallback only: a short convolution (lfm2), Mamba mixers (falcon_h1, jamba,
+# mamba) keep a state across tokens that a packed forward would carry from one sequence into the next
+FALLBACK_ARCHS: list[str] = ["lfm2", "falcon_h1", "jamba", "mamba"]
+_TEXT_ONLY = {"mistral3_text", "qwen3_vl_text", "qwen2_5_vl_text", "llama4_text"}  # built inside their wrapper only
+# Llama 4's wrapper cannot run a text-only forward in transformers 5.24 (its output lacks `image_outputs`): the
+# producer and the parts loader are tested on it (its `language_model` is the reference), the drafter is not
+WRAPPER_ONLY: list[str] = ["llama4_vl"]
+ARCHS: list[str] = [
+    *(a for a in _CONFIGS if a not in FALLBACK_ARCHS and a not in _TEXT_ONLY), *(w for w in WRAPPERS if w not in WRAPPER_ONLY)
+]
 
 
 def text_config(arch: str, num_layers: int | None = None) -> PretrainedConfig:
     """The (text) config `build_target(arch, ...)` uses for the decoder (default 3 layers, hybrids 4)."""
-    if arch == "qwen3_5_vl":
-        arch = "qwen3_5_text"
+    arch = WRAPPERS.get(arch, arch)
     if arch not in _CONFIGS:
         raise ValueError(f"unknown zoo architecture {arch!r}; choose one of {ARCHS}")
     return _CONFIGS[arch](num_layers)
@@ -216,18 +279,78 @@ def build_target(arch: str, out_dir: str | Path, *, seed: int = 0, num_layers: i
     """Save a random `arch` target (fp32 weights) with its tokenizer into `out_dir`; return `out_dir`."""
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
-    if arch == "qwen3_5_vl":
-        config = Qwen3_5Config(
-            text_config=text_config(arch, num_layers).to_dict(),
-            vision_config=dict(
-                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                patch_size=4, num_position_embeddings=16,
-            ),
-            tie_word_embeddings=False,
-        )
-        model = Qwen3_5ForConditionalGeneration(config)
+    if arch in WRAPPERS:
+        model = _wrapper(arch, text_config(arch, num_layers).to_dict())
     else:
         model = AutoModelForCausalLM.from_config(text_config(arch, num_layers), dtype=torch.float32)
     model.eval().save_pretrained(str(out_dir))
     build_tokenizer(out_dir)
     return out_dir
+
+
+def _wrapper(arch: str, text: dict) -> torch.nn.Module:
+    """The multimodal model class of `arch` around the text decoder `text`, with a one-layer vision tower."""
+    qwen_vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        num_position_embeddings=16,
+    )
+    small_vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        image_size=16, patch_size=4)
+    spare = VOCAB_SIZE - 4  # image tokens live in the spare rows of the embedding, as in real checkpoints
+    if arch == "qwen3_5_vl":
+        return Qwen3_5ForConditionalGeneration(
+            Qwen3_5Config(text_config=text, vision_config=qwen_vision, tie_word_embeddings=False)
+        )
+    if arch == "qwen3_vl":
+        return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+            text_config=text, vision_config={**qwen_vision, "deepstack_visual_indexes": [0]},
+            image_token_id=spare, video_token_id=spare + 1, vision_start_token_id=spare + 2,
+            vision_end_token_id=spare + 3, tie_word_embeddings=False,
+        ))
+    if arch == "qwen2_5_vl":
+        return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=text, vision_config={**qwen_vision, "window_size": 16, "fullatt_block_indexes": [0]},
+            image_token_id=spare, video_token_id=spare + 1, vision_start_token_id=spare + 2,
+            vision_end_token_id=spare + 3,
+        ))
+    if arch == "llama4_vl":
+        return Llama4ForConditionalGeneration(Llama4Config(
+            text_config=text, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                patch_size=4, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64,
+                pixel_shuffle_ratio=0.5,
+            ),
+            image_token_index=spare, boi_token_index=spare + 1, eoi_token_index=spare + 2,
+        ))
+    if arch == "gemma3_vl":
+        return Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=text, vision_config=small_vision, mm_tokens_per_image=4, boi_token_index=spare,
+            eoi_token_index=spare + 1, image_token_index=spare + 2, tie_word_embeddings=True,
+        ))
+    if arch == "mistral3_vl":
+        return Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=text, vision_config={**small_vision, "head_dim": 16}, image_token_index=spare,
+            spatial_merge_size=1, tie_word_embeddings=False,
+        ))
+    raise ValueError(f"no wrapper for {arch!r}")
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """The saved target as a user loads it: the class its config names (a multimodal wrapper as itself), fp32."""
+    import json
+
+    import transformers
+
+    cls = getattr(transformers, json.loads((Path(path) / "config.json").read_text())["architectures"][0])
+    return cls.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def layer_outputs(model: torch.nn.Module, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The model's own `output_hidden_states` for one sequence `ids` [L]: the outputs of decoder layers
+    `layer_ids` side by side [L, n·H], the last layer final-normed (as the producer captures them). Most models'
+    tuple starts with the embedding; mamba's has none (layer i at index i) and ends with the normed last one."""
+    hs = model(input_ids=ids[None], use_cache=False, output_hidden_states=True).hidden_states
+    n = model.config.get_text_config().num_hidden_layers
+    start = 0 if model.config.model_type in ("mamba", "mamba2", "falcon_mamba") else 1
+    return torch.cat([hs[-1][0] if i == n - 1 else hs[start + i][0] for i in layer_ids], dim=-1)

@@ -9,7 +9,17 @@ import math
 import pytest
 import torch
 import transformers
-from target_zoo import ARCHS, EOS_ID, MASK_ID, SPECIAL_TOKENS, VOCAB_SIZE, build_target
+from target_zoo import (
+    ARCHS,
+    EOS_ID,
+    FALLBACK_ARCHS,
+    MASK_ID,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    build_target,
+    layer_outputs,
+    load_model,
+)
 from test_drafter_common import drafter_cfg
 
 from common.config import dflash_layer_ids
@@ -19,9 +29,9 @@ from consumer.trainer import Trainer
 
 
 def load_target(arch: str, path):
-    """As a user loads it: the multimodal wrapper (the Qwen3.6-27B form) as its own class, the rest as causal LMs."""
-    cls = transformers.Qwen3_5ForConditionalGeneration if arch == "qwen3_5_vl" else transformers.AutoModelForCausalLM
-    return cls.from_pretrained(str(path), dtype=torch.float32, local_files_only=True).eval()
+    """As a user loads it: the class its config names (a multimodal wrapper as itself: the Qwen3.6-27B,
+    Gemma 3, Mistral-Small-3 and Qwen3-VL forms), fp32."""
+    return load_model(path)
 
 
 def sharpen(arch: str, path) -> None:
@@ -34,16 +44,11 @@ def sharpen(arch: str, path) -> None:
     model.save_pretrained(str(path))
 
 
-@torch.no_grad()
 def features(target, seqs: list[torch.Tensor], layer_ids: list[int]) -> torch.Tensor:
-    rows = []
-    for ids in seqs:
-        hs = target(input_ids=ids[None], output_hidden_states=True).hidden_states
-        rows.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
-    return torch.cat(rows)
+    return torch.cat([layer_outputs(target, ids, layer_ids) for ids in seqs])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FALLBACK_ARCHS)
 def test_drafter_trains_exports_and_decodes_losslessly(arch, tmp_path):
     path = build_target(arch, tmp_path / "target")
     sharpen(arch, path)

@@ -103,3 +103,28 @@ def test_bad_inputs(setup, tmp_path):
         main(["--target", str(tmp_path / "nomodel"), "--prompts", str(prompts), "--out", str(tmp_path / "o")])
         == 2
     )
+
+
+def test_the_default_attention_is_the_models_own_choice(tmp_path, capsys):
+    """Issue 21 item 4: gemma2 has no sdpa (its attention soft-capping is eager's); `regenerate --target` picks
+    what the model supports, as the producer does, instead of crashing on a hard-coded sdpa."""
+    import transformers
+    from target_zoo import build_tokenizer
+
+    config = transformers.Gemma2Config(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=8, attn_logit_softcapping=50.0, pad_token_id=0,
+        eos_token_id=2, bos_token_id=None,
+    )
+    assert not transformers.Gemma2ForCausalLM._supports_sdpa
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    build_tokenizer(tmp_path / "gemma2")
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(prompts, list(synthetic_chats(2, seed=3)))
+    out = tmp_path / "out.jsonl"
+    argv = ["--target", str(tmp_path / "gemma2"), "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "3", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert len(out.read_text().splitlines()) == 2
+    assert main([*argv, "--attn-implementation", "sdpa"]) == 2  # named: a clear line, no traceback
+    assert "Gemma2ForCausalLM does not support attn_implementation 'sdpa'" in capsys.readouterr().err

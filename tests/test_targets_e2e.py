@@ -40,7 +40,7 @@ checkpoint_every = 1000
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_vl", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5_vl", "gpt_oss", "qwen3_next", "gemma3_vl"])
 def test_a_job_on_the_target_trains_every_sample_once_and_its_export_decodes_losslessly(arch, tmp_path):
     assets = tmp_path / "assets"
     sharpen(arch, build_target(arch, assets / "target"))  # wide logit gaps: "equal to greedy" tests no ties

@@ -17,12 +17,21 @@ import safetensors
 import torch
 import transformers
 from jobs import write_job
-from target_zoo import ARCHS, FALLBACK_ARCHS, SLIDING_WINDOW, VOCAB_SIZE, build_target
+from target_zoo import (
+    ARCHS,
+    FALLBACK_ARCHS,
+    SLIDING_WINDOW,
+    VOCAB_SIZE,
+    WRAPPER_ONLY,
+    build_target,
+    layer_outputs,
+    load_model,
+)
 from transformers import AutoModelForCausalLM
 
 from common.profile import ProfileStats
 from consumer.target_parts import TargetPartsError, load_target_parts
-from producer import packed_attention
+from producer import capture, packed_attention
 from producer.capture import PaddedBatchMixer, Segments
 from producer.target import TargetLoadError, choose_attn_implementation, load_target
 
@@ -34,7 +43,7 @@ assert max(LENGTHS) > SLIDING_WINDOW
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo")
-    return {arch: build_target(arch, root / arch) for arch in ARCHS + FALLBACK_ARCHS}
+    return {arch: build_target(arch, root / arch) for arch in ARCHS + FALLBACK_ARCHS + WRAPPER_ONLY}
 
 
 def packed_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,12 +53,7 @@ def packed_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def alone(full_model, ids: torch.Tensor, cu: torch.Tensor, layer_ids: list[int]) -> list[torch.Tensor]:
     """HF's own hidden_states[i + 1] for each sequence run by itself."""
-    refs = []
-    with torch.no_grad():
-        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-            hs = full_model(ids[s:e][None], use_cache=False, output_hidden_states=True).hidden_states
-            refs.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
-    return refs
+    return [layer_outputs(full_model, ids[s:e], layer_ids) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
 
 
 def max_diff_to_alone(cap, full_model, ids, cu) -> float:
@@ -86,7 +90,7 @@ def windowed(mask: torch.Tensor | None) -> bool:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_batch_equals_each_sequence_alone(zoo, arch, monkeypatch):
-    full = AutoModelForCausalLM.from_pretrained(zoo[arch], local_files_only=True, dtype=torch.float32).eval()
+    full = load_model(zoo[arch])
     text = full.config.get_text_config()
     n = text.num_hidden_layers
     every = list(range(n))  # every layer, the last (final-normed) one included
@@ -105,23 +109,56 @@ def test_packed_batch_equals_each_sequence_alone(zoo, arch, monkeypatch):
     attention_layers = sum(kind != "linear_attention" for kind in kinds)
     assert [q for q, _ in spy.calls] == LENGTHS * attention_layers
     window = {windowed(mask) for q, mask in spy.calls if q > SLIDING_WINDOW}
-    assert window == ({True, False} if arch in ("gemma3_text", "gpt_oss") else {arch == "mistral_sliding"})
+    both = ("gemma3_text", "gemma3_vl", "gpt_oss")  # sliding and full layers
+    assert window == ({True, False} if arch in both else {arch == "mistral_sliding"})
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FALLBACK_ARCHS)
 def test_target_parts_are_the_models_own(zoo, arch):
-    full = AutoModelForCausalLM.from_pretrained(zoo[arch], local_files_only=True, dtype=torch.float32)
+    full = load_model(zoo[arch])
     text = full.config.get_text_config()
     parts = load_target_parts(zoo[arch])
     assert (parts.vocab_size, parts.hidden_size, parts.num_hidden_layers) == (
         VOCAB_SIZE, text.hidden_size, text.num_hidden_layers
     )
-    assert parts.num_attention_heads == text.num_attention_heads
+    assert parts.num_attention_heads == getattr(text, "num_attention_heads", 1)  # mamba: none, one 64-wide head
     assert parts.embed_tokens.shape == parts.lm_head.shape == (VOCAB_SIZE, text.hidden_size)
     assert torch.equal(parts.embed_tokens, full.get_input_embeddings().weight)
     assert torch.equal(parts.lm_head, full.get_output_embeddings().weight)
     tied = full.get_output_embeddings().weight is full.get_input_embeddings().weight
     assert parts.tie_word_embeddings == tied and (parts.lm_head is parts.embed_tokens) == tied
+
+
+def test_the_llama4_multimodal_form_loads_packs_and_gives_its_parts(zoo):
+    """Llama 4's wrapper (MoE, chunked attention shorter than the sequences, NoPE layers): its text decoder is
+    the reference (the wrapper's own text-only forward fails inside transformers 5.24)."""
+    wrapper = load_model(zoo["llama4_vl"])
+    cap = load_target(zoo["llama4_vl"], layer_ids=[0, 1], dtype="float32")
+    assert cap.packed and type(cap.model).__name__ == "Llama4TextModel"
+    ids, cu = packed_batch()
+    assert max_diff_to_alone(cap, wrapper.language_model, ids, cu) <= 1e-5
+    parts = load_target_parts(zoo["llama4_vl"])
+    assert torch.equal(parts.embed_tokens, wrapper.get_input_embeddings().weight)
+    assert torch.equal(parts.lm_head, wrapper.get_output_embeddings().weight)
+
+
+def test_wrappers_store_their_decoder_under_a_prefix_the_decoder_alone_does_not_map(zoo):
+    """The forms the key mapping exists for, as save_pretrained writes them (issue 21: the producer said 'the
+    weight files lack 54 tensors', the parts loader 'no stored tensor maps to model.embed_tokens.weight')."""
+    from common.target_keys import decoder_key_mapping
+
+    for arch, stored, mapped in (
+        ("gemma3_vl", "language_model.model.", True),
+        ("mistral3_vl", "language_model.model.", True),
+        ("qwen3_vl", "model.language_model.", True),
+        ("qwen3_5_vl", "model.language_model.", False),  # the decoder's own mapping renames it
+        ("qwen2_5_vl", "model.", False),  # saved in the original Qwen2.5-VL layout
+    ):
+        with safetensors.safe_open(str(zoo[arch] / "model.safetensors"), "pt") as f:
+            assert f"{stored}embed_tokens.weight" in list(f.keys()), arch
+        decoder = type(load_target(zoo[arch], layer_ids=[0], dtype="float32").model)
+        got = decoder_key_mapping(zoo[arch], transformers.AutoConfig.from_pretrained(zoo[arch]), decoder)
+        assert got == ({"^" + re.escape(stored): ""} if mapped else None), arch
 
 
 def test_the_multimodal_wrapper_is_the_qwen36_form(zoo):
@@ -227,25 +264,99 @@ def test_padded_groups_cover_every_token_once_and_bound_the_padding():
 def test_a_leak_is_caught_by_the_probe_and_the_batch_runs_per_sequence(zoo, monkeypatch):
     """Without the padded-batch wrapper, Gated DeltaNet state would cross sequences: the probe must notice."""
     monkeypatch.setattr(PaddedBatchMixer, "forward", lambda self, hidden_states, *a, **k: self.inner(hidden_states))
+    monkeypatch.setattr(capture, "_stateful_mixer", lambda model, prefix="": None)  # leave it to the probe
     cap = load_target(zoo["qwen3_5_text"], layer_ids=[0, 1, 2, 3], dtype="float32")
-    assert not cap.packed and "changed another's features" in cap.per_sequence_reason
+    assert not cap.packed and "differ from the sequence run alone" in cap.per_sequence_reason
     full = AutoModelForCausalLM.from_pretrained(zoo["qwen3_5_text"], dtype=torch.float32).eval()
     ids, cu = packed_batch(1)
     assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
 
 
-def test_a_layer_kind_with_no_packed_path_falls_back_counted_and_exact(zoo, caplog):
+class LeakyMLP(torch.nn.Module):
+    """A stand-in for a decoder layer's MLP that leaks: it adds `strength` × the mean of all earlier tokens'
+    inputs, across whatever sequences the forward holds (a state-space mixer's state, in miniature)."""
+
+    def __init__(self, inner, strength: float):
+        super().__init__()
+        self.inner, self.strength = inner, strength
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = self.inner(hidden_states, *args, **kwargs)
+        t = torch.arange(1, hidden_states.shape[1] + 1, device=hidden_states.device).view(1, -1, 1)
+        return out + self.strength * (hidden_states.cumsum(1) / t).to(out.dtype)
+
+
+def test_the_probe_catches_a_bf16_leak_within_the_old_tolerance(zoo, monkeypatch):
+    """Issue 21 item 3: the probe's verdict does not hang on the dtype's coarse rounding. In bf16 a leak of a
+    few percent (the state-space hybrids' 3e-2..1.4e-1 on real models) passed the old fixed 5e-2 tolerance;
+    measured against the packing's own rounding it runs per sequence."""
+    real = capture.TargetCapture.__init__
+
+    def leaky_init(self, model, *args, **kwargs):
+        model.layers[0].mlp = LeakyMLP(model.layers[0].mlp, 1e-3)
+        real(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(capture.TargetCapture, "__init__", leaky_init)
+    cap = load_target(zoo["llama"], layer_ids=[0, 1, 2], dtype="bfloat16")
+    assert not cap.packed and "differ from the sequence run alone" in cap.per_sequence_reason
+    cap.packing = "position_ids"
+    probe = cap.packing_leak()
+    assert 1e-2 < probe.leak < 5e-2, probe
+    # the old probe's measure (the second sequence's change when the first one's tokens change) stays below
+    # its 16-bit tolerance 5e-2: it packed this target, corrupted
+    g = torch.Generator().manual_seed(1)
+    first_a, first_b, second = (torch.randint(0, VOCAB_SIZE, (n,), generator=g) for n in (13, 13, 7))
+    cu = torch.tensor([0, 13, 20])
+    a, b = (cap._packed(torch.cat([f, second]), cu)[13:].float() for f in (first_a, first_b))
+    old = float(((a - b).norm(dim=-1) / a.norm(dim=-1)).max())
+    assert 1e-2 < old < 5e-2, old
+    assert probe.noise == 0.0 and probe.tolerance == capture.PROBE_FLOOR[torch.bfloat16]
+    monkeypatch.setattr(capture.TargetCapture, "__init__", real)
+    clean = load_target(zoo["llama"], layer_ids=[0, 1, 2], dtype="bfloat16")  # no leak: bf16 packs
+    assert clean.packed and clean.packing_leak().leak == 0.0
+
+
+def test_the_probe_tolerance_follows_the_measured_noise():
+    probe = capture.LeakProbe(noise=2e-3, leak=7e-3, floor=capture.PROBE_FLOOR[torch.bfloat16])
+    assert probe.tolerance == pytest.approx(8e-3) and probe.passed  # rounding of a different MoE batching
+    assert not capture.LeakProbe(noise=2e-3, leak=9e-3, floor=1e-5).passed
+    assert not capture.LeakProbe(noise=0.0, leak=2e-3, floor=capture.PROBE_FLOOR[torch.bfloat16]).passed
+
+
+FALLBACK_REASONS = {  # why each runs one forward per sequence
+    "lfm2": "layer types ['conv'] have no packed path",
+    "falcon_h1": "layer types ['hybrid'] have no packed path",
+    "jamba": "layers.0.mamba (JambaMambaMixer) is a state-space recurrence (A_log)",
+    "mamba": "layers.0.mixer (MambaMixer) is a state-space recurrence (A_log)",
+}
+
+
+@pytest.mark.parametrize("arch", FALLBACK_ARCHS)
+def test_a_layer_kind_with_no_packed_path_falls_back_counted_and_exact(zoo, arch, caplog):
+    full = load_model(zoo[arch])
+    n = full.config.num_hidden_layers
     with caplog.at_level("WARNING", logger="producer.target"):
-        cap = load_target(zoo["lfm2"], layer_ids=[0, 1, 2], dtype="float32")
-    assert cap.packing == "per_sequence" and "['conv'] have no packed path" in cap.per_sequence_reason
+        cap = load_target(zoo[arch], layer_ids=list(range(n)), dtype="float32")
+    assert cap.packing == "per_sequence" and FALLBACK_REASONS[arch] in cap.per_sequence_reason
     assert sum("one forward per sequence" in r.message for r in caplog.records) == 1  # logged once, at load
     cap.prof = ProfileStats()
-    full = AutoModelForCausalLM.from_pretrained(zoo["lfm2"], dtype=torch.float32).eval()
     ids, cu = packed_batch(2)
     assert max_diff_to_alone(cap, full, ids, cu) <= 1e-5
     cap(ids[:9], torch.tensor([0, 9]))  # a single sequence is no fallback
     assert cap.per_sequence_batches == 1
     assert cap.prof.snapshot()["counters"]["target_per_sequence_batches"] == 1
+
+
+def test_a_state_space_mixer_is_found_whatever_the_layer_kinds_say(zoo, monkeypatch):
+    """The structural guard: falcon_h1 with its layer kinds claiming plain attention still runs per sequence."""
+    monkeypatch.setattr(
+        transformers.FalconH1Config, "layers_block_type", property(lambda c: ["full_attention"] * c.num_hidden_layers)
+    )
+    cap = load_target(zoo["falcon_h1"], layer_ids=[0, 1], dtype="float32")
+    assert cap.per_sequence_reason == (
+        "layers.0.mamba (FalconH1Mixer) is a state-space recurrence (A_log), which carries a state from one"
+        " sequence into the next"
+    )
 
 
 def test_attention_implementation_choice():
@@ -329,3 +440,77 @@ def test_bad_target_files_are_named_by_producer_and_consumer_without_traceback(z
                 failures.append(f"{name} {role[0]}: rc {proc.returncode}\n{proc.stderr[-1500:]}")
         shutil.rmtree(job.parent, ignore_errors=True)
     assert not failures, "\n\n".join(failures)
+
+
+# a model whose modeling code looks its attention up in a table of its own (not transformers' registry)
+OWN_ATTENTION_TABLE = """
+import sys
+import transformers.models.qwen3.modeling_qwen3 as modeling
+
+class Table(dict):
+    def get_interface(self, name, default):
+        return self[name]
+
+modeling.ALL_ATTENTION_FUNCTIONS = Table()
+from producer.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_load_failures_end_in_one_clear_line_with_exit_2(zoo, tmp_path):
+    """Issue 21 items 5 and 6, through the producer process: a target directory without tokenizer files says so
+    (which files were looked for, and data.tokenizer); an error raised by the model's own code while loading
+    names the architecture and what is missing. Exit 2, no traceback."""
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):  # what a weights-only download leaves
+        shutil.copy(zoo["qwen3"] / name, no_tokenizer / name)
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cases = (
+        ("notok", no_tokenizer, "import sys\nfrom producer.__main__ import main\nsys.exit(main(sys.argv[1:]))",
+         r"no-tokenizer: no tokenizer found \(looked for tokenizer.json, tokenizer_config.json, tokenizer.model,"
+         r" vocab.json, \*.tiktoken\); copy the target's tokenizer files there, or set data.tokenizer"),
+        ("owntable", zoo["qwen3"], OWN_ATTENTION_TABLE,
+         r"qwen3: the Qwen3ForCausalLM target \(Qwen3Model\) failed to load: its code looks up the attention"
+         r" implementation 'packed_sdpa' in a table of its own that lacks it; set target.attn_implementation"),
+    )
+    running = []  # both processes at once: their start-up is most of the time
+    for name, target, code, says in cases:
+        job = write_job(assets, name=f"load{name}")
+        job.write_text(job.read_text().replace(str(assets / "target"), str(target)))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "--job", str(job)], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        running.append((name, says, job, proc))
+    failures = []
+    for name, says, job, proc in running:
+        try:
+            _, stderr = proc.communicate(timeout=240)
+        finally:
+            proc.kill()
+        errors = [line for line in stderr.splitlines() if " ERROR " in line]
+        if proc.returncode != 2 or "Traceback" in stderr or len(errors) != 1 or not re.search(says, errors[0]):
+            failures.append(f"{name}: rc {proc.returncode}\n{stderr[-1500:]}")
+        if "sentencepiece" in stderr:
+            failures.append(f"{name}: passes on transformers' sentencepiece advice\n{stderr[-1500:]}")
+        shutil.rmtree(job.parent, ignore_errors=True)
+    assert not failures, "\n\n".join(failures)
+
+
+def test_a_forward_hook_error_while_loading_is_one_named_line(zoo, monkeypatch):
+    def failing_hook(self, k):
+        def hook(module, args, output):
+            raise RuntimeError(f"output of {type(module).__name__} does not fit the feature buffer")
+
+        return hook
+
+    monkeypatch.setattr(capture.TargetCapture, "_copy_hook", failing_hook)
+    with pytest.raises(TargetLoadError, match=(
+        r"gemma3_vl: the Gemma3ForConditionalGeneration target \(Gemma3TextModel\) failed to load: RuntimeError:"
+        r" output of Gemma3DecoderLayer does not fit the feature buffer \(attention implementation 'packed_sdpa'\)"
+    )):
+        load_target(zoo["gemma3_vl"], layer_ids=[0, 1], dtype="float32")
