@@ -43,7 +43,7 @@ import transformers
 from bench.pipeline import TARGET_SHAPE
 from common.config import JobConfig, dflash_layer_ids, load_job
 from common.host_memory import keep_freed_memory
-from consumer.target_parts import load_target_parts
+from consumer.target_parts import TargetParts, load_target_parts
 from consumer.trainer import Trainer
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.__main__ import build_dataset
@@ -69,14 +69,19 @@ def build_assets(root: Path, chats: int) -> None:
     write_jsonl(root / "chats.jsonl", synthetic_chats(chats, seed=1))
 
 
+def target_layer_ids(job: JobConfig, parts: TargetParts) -> list[int]:
+    """The job's captured layers; the DFlash default for the target's depth where it names none (as the
+    producer and consumer entry points do)."""
+    return list(job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features))
+
+
 def new_trainer(job: JobConfig, drafter: str) -> Trainer:
     """As consumer.__main__ builds it, on the drafter's first device (the CPU when it names none)."""
     torch.manual_seed(job.job.seed)
     parts = load_target_parts(job.target.path)
     cfg = job.drafter(drafter)
     device = torch.device(cfg.devices[0] if cfg.devices else "cpu")
-    layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
-    trainer = Trainer(cfg, parts, list(layer_ids), device, job_seed=job.job.seed)
+    trainer = Trainer(cfg, parts, target_layer_ids(job, parts), device, job_seed=job.job.seed)
     trainer.warmup()
     return trainer
 

@@ -152,3 +152,20 @@ def test_the_job_files_it_writes_are_valid_jobs(tmp_path):
     assert job.target.layer_ids == [1, 2, 3, 4, 5] and job.target.dtype == "bfloat16"
     assert job.transport.kind == "cuda" and job.data.tokens_per_batch == 12288
     assert [(d.num_layers, d.block_size, d.devices) for d in job.drafters] == [(5, 16, ["cuda:0"])] * 2
+
+
+def test_pipeline_stages_takes_the_default_layer_ids_when_the_job_names_none(tmp_path):
+    """issue 23: bench.pipeline_stages did list(job.target.layer_ids), which fails on the default None."""
+    from bench.pipeline_stages import target_layer_ids
+    from common.config import dflash_layer_ids, parse_job
+    from consumer.target_parts import load_target_parts
+    from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer
+
+    tok = train_tokenizer(corpus_texts(synthetic_chats(50, seed=0)), 400, tmp_path / "tok")
+    target = build_tiny_target(tmp_path / "target", tok, num_layers=8)
+    doc = {"target": {"path": str(target), "num_features": 3}, "data": {"path": str(tmp_path / "d.jsonl")},
+           "drafters": [{"name": "d", "num_layers": 1}]}
+    parts = load_target_parts(target)
+    assert target_layer_ids(parse_job(doc), parts) == dflash_layer_ids(8, 3) == [1, 3, 5]
+    doc["target"]["layer_ids"] = [0, 7]
+    assert target_layer_ids(parse_job(doc), parts) == [0, 7]
