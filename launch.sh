@@ -3,7 +3,9 @@
 #
 #   ./launch.sh                  build (once) and run the embedded demo job on the CPU, then evaluate it
 #   ./launch.sh JOB.toml         run a job
-#   ./launch.sh JOB.toml --dry-run           print the process list and the device map, and exit
+#   ./launch.sh JOB.toml --dry-run           print the process list, the device map and each GPU's planned
+#                                            memory peak (--device-memory GIB: the size of GPUs NVML cannot
+#                                            report; --target-config DIR: the target's config.json elsewhere)
 #   options: --grace SECONDS (default 60)    how long a stop (SIGINT/SIGTERM/SIGHUP) waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
@@ -27,17 +29,18 @@ if [[ ! -x $PY ]]; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 
-job="" dry=0 grace=60
+job="" dry=0 grace=60 memory_opts=()
 nnodes=${NNODES:-1} node_rank=${NODE_RANK:-0}
 while (($#)); do
   case $1 in
     --dry-run) dry=1 ;;
+    --device-memory|--target-config) memory_opts+=("$1" "$2"); shift ;;
     --grace) grace=$2; shift ;;
     --nnodes) nnodes=$2; shift ;;
     --node-rank) node_rank=$2; shift ;;
     --master-addr) export MASTER_ADDR=$2; shift ;;
     --master-port) export MASTER_PORT=$2; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "launch.sh: unknown option $1" >&2; exit 2 ;;
     *) job=$1 ;;
   esac
@@ -62,7 +65,7 @@ if ((dry)); then
   printf '%s\n' "$plan" | while IFS=$'\t' read -r name critical log cmd; do
     printf '%-24s critical=%s log=%s\n    %s\n' "$name" "$critical" "$log" "$cmd"
   done
-  [[ -z ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && { echo; "$PY" -m common.launch_plan "$job" --device-map --node-rank "$node_rank" --nnodes "$nnodes"; }
+  [[ -z ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && { echo; "$PY" -m common.launch_plan "$job" --device-map --memory "${memory_opts[@]}" --node-rank "$node_rank" --nnodes "$nnodes"; }
   exit 0
 fi
 

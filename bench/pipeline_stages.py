@@ -41,9 +41,9 @@ import torch
 import transformers
 
 from bench.pipeline import TARGET_SHAPE
-from common.config import JobConfig, load_job
+from common.config import JobConfig, dflash_layer_ids, load_job
 from common.host_memory import keep_freed_memory
-from consumer.target_parts import load_target_parts
+from consumer.target_parts import TargetParts, load_target_parts
 from consumer.trainer import Trainer
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.__main__ import build_dataset
@@ -69,13 +69,19 @@ def build_assets(root: Path, chats: int) -> None:
     write_jsonl(root / "chats.jsonl", synthetic_chats(chats, seed=1))
 
 
+def target_layer_ids(job: JobConfig, parts: TargetParts) -> list[int]:
+    """The job's captured layers; the DFlash default for the target's depth where it names none (as the
+    producer and consumer entry points do)."""
+    return list(job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features))
+
+
 def new_trainer(job: JobConfig, drafter: str) -> Trainer:
     """As consumer.__main__ builds it, on the drafter's first device (the CPU when it names none)."""
     torch.manual_seed(job.job.seed)
     parts = load_target_parts(job.target.path)
     cfg = job.drafter(drafter)
     device = torch.device(cfg.devices[0] if cfg.devices else "cpu")
-    trainer = Trainer(cfg, parts, list(job.target.layer_ids), device, job_seed=job.job.seed)
+    trainer = Trainer(cfg, parts, target_layer_ids(job, parts), device, job_seed=job.job.seed)
     trainer.warmup()
     return trainer
 
@@ -99,10 +105,10 @@ class JobStages:
     buffer: torch.Tensor  # [tokens_per_batch, n·H]: stands in for the ring slot
     features: list[torch.Tensor]  # captured once, for the consumer fed from memory
     alone: Trainer
-    serial: Trainer
+    serial: Trainer | None  # the serial loop's own trainer; None where no serial variant runs (bench.gpu_check)
 
     @classmethod
-    def load(cls, job: JobConfig) -> JobStages:
+    def load(cls, job: JobConfig, serial: bool = True) -> JobStages:
         dataset, plan = build_dataset(job, node_rank=0, nnodes=1)
         reader = dataset.reader()
         batches = [pack_batch(reader, planned) for planned in plan.batches_from(0)]
@@ -113,11 +119,12 @@ class JobStages:
             job.data.tokens_per_batch, target.feature_width, dtype=target.dtype, device=target.device
         )
         first = job.drafters[0].name
-        alone, serial = new_trainer(job, first), new_trainer(job, first)
+        alone = new_trainer(job, first)
         # cloned outside inference mode: the trainer's autograd cannot save inference tensors
         features = [target(b.input_ids, b.cu_seqlens).to(alone.device).clone() for b in batches]
         drafter_batches = [on_device(b, alone.device) for b in batches]
-        return cls(batches, drafter_batches, target, buffer, features, alone, serial)
+        return cls(batches, drafter_batches, target, buffer, features, alone,
+                   new_trainer(job, first) if serial else None)
 
     def forward(self, k: int) -> torch.Tensor:
         b = self.batches[k]
@@ -130,14 +137,15 @@ class JobStages:
     def variants(self) -> dict[str, tuple[Callable[[int], object], str]]:
         """name → (run batch k, where: 'P' target-side core, 'C' drafter-side core, 'PC1'/'PC2' both
         cores with one/two torch threads)."""
-        serial = lambda k: self.train(self.serial, k, self.forward(k).to(self.serial.device))  # noqa: E731
-        return {
+        alone = {
             "producer_alone": (self.forward, "P"),
             "consumer_alone": (lambda k: self.train(self.alone, k, self.features[k]), "C"),
-            "serial": (serial, "P"),
-            "serial_2_threads": (serial, "PC2"),
-            "serial_1_thread_2_cores": (serial, "PC1"),
         }
+        if self.serial is None:
+            return alone
+        serial = lambda k: self.train(self.serial, k, self.forward(k).to(self.serial.device))  # noqa: E731
+        return {**alone, "serial": (serial, "P"), "serial_2_threads": (serial, "PC2"),
+                "serial_1_thread_2_cores": (serial, "PC1")}
 
 
 def time_variant(run: Callable[[int], object], ks: range, cores: set[int], threads: int = 0) -> dict[str, float]:

@@ -2,6 +2,8 @@
 
     python -m common.launch_plan JOB.toml [--node-rank R --nnodes N --master-addr HOST --master-port PORT]
     python -m common.launch_plan JOB.toml --device-map    which process on which device (launch.sh --dry-run)
+    python -m common.launch_plan JOB.toml --device-map --memory [--device-memory GIB] [--target-config DIR]
+                                    and each device's planned GPU memory peak (common/memory_plan.py)
     python -m common.launch_plan JOB.toml --env-files DIR   systemd: one environment file per process, units to enable
 
 Each line: `name critical log_path command...` separated by tabs, the command's words shell-quoted.
@@ -26,10 +28,12 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
 from common.config import ConfigError, DrafterConfig, JobConfig, load_job
+from common.memory_plan import GIB, ProcessMemory, nvml_device_bytes, render
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
@@ -152,6 +156,46 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
     return "\n".join(lines)
 
 
+MEMORY_PLAN_TIMEOUT_S = 600
+
+
+def on_gpu(job: JobConfig) -> bool:
+    t = job.target
+    devices = [d for r in range(t.replicas) for d in t.devices_of(r)]
+    devices += [d.device_of(r) for d in job.drafters for r in range(d.replicas)]
+    return any(d.startswith("cuda") for d in devices)
+
+
+def memory_report(job: JobConfig, job_path: str, python: str, target_config: str | None,
+                  device_memory_gib: float | None) -> tuple[str, list[str]]:
+    """The per-device planned peak: each role plans its own processes (`python -m producer memory-plan`,
+    `python -m consumer memory-plan`, run as commands: common imports no role), summed here per device."""
+    if not on_gpu(job):
+        return "planned GPU memory: every process of this job runs on the CPU", []
+    extra = ["--target-config", target_config] if target_config else []
+    procs = {role: subprocess.Popen([python, "-m", role, "memory-plan", job_path, "--json", *extra],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for role in ("producer", "consumer")}  # side by side: each takes seconds of CPU
+    entries: list[ProcessMemory] = []
+    failure = None
+    for role, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=MEMORY_PLAN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failure = failure or f"{role} memory-plan took over {MEMORY_PLAN_TIMEOUT_S} s"
+            continue
+        if proc.returncode != 0:
+            failure = failure or (err.strip().splitlines() or [f"{role} memory-plan: exit {proc.returncode}"])[-1]
+            continue
+        entries += [ProcessMemory.from_json(line) for line in out.splitlines() if line.startswith("{")]
+    if failure:
+        return f"planned GPU memory: not available: {failure}", []
+    default = int(device_memory_gib * GIB) if device_memory_gib else None
+    return render(entries, nvml_device_bytes(), default)
+
+
 def systemd_instance(proc: ProcessSpec) -> str | None:
     """The unit a planned process runs as under deploy/systemd (None: telemetry, which needs no variables)."""
     if proc.name == "telemetry":
@@ -194,9 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
                     help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)")
     ap.add_argument("--device-map", action="store_true", help="print the device map instead of the process list")
+    ap.add_argument("--memory", action="store_true", help="with --device-map: each device's planned GPU memory")
+    ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="memory of a GPU NVML does not report (this machine has none), to check the plan against")
+    ap.add_argument("--target-config", default=None, metavar="DIR",
+                    help="the target's model directory for the memory plan (default: target.path)")
     ap.add_argument("--env-files", metavar="DIR", help="write each process's systemd environment file into DIR"
                     " (deploy/systemd) and print the units to enable")
     args = ap.parse_args(argv)
+    if args.device_memory is not None and args.device_memory <= 0:
+        print(f"--device-memory {args.device_memory:g}: a GPU's memory in GiB is a positive number", file=sys.stderr)
+        return 2
     try:
         job = load_job(args.job)
         if args.master_addr is None and args.nnodes > 1 and any(d.replicas * args.nnodes > 1 for d in job.drafters):
@@ -212,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device_map:
         print(device_map(job, args.node_rank, args.nnodes, args.master_port))
+        if args.memory:
+            table, warnings = memory_report(job, os.path.abspath(args.job), args.python, args.target_config,
+                                            args.device_memory)
+            print(table)
+            for w in warnings:
+                print(w)
         return 0
     for p in procs:
         print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")

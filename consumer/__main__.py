@@ -40,6 +40,11 @@ log = logging.getLogger("consumer")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["memory-plan"]:  # the drafter replicas' planned GPU memory (consumer/memory_plan.py)
+        from consumer.memory_plan import main as memory_plan
+
+        return memory_plan(argv[1:])
     ap = argparse.ArgumentParser(prog="dflash-consumer", description=__doc__)
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--drafter", required=True, help="drafter name, as in [[drafters]] name")

@@ -1,0 +1,111 @@
+"""GPU memory of a job's processes, planned on a CPU-only machine: the record both roles' planners emit, the
+peak tracker they run their real code under, and the per-device sum launch.sh --dry-run prints.
+
+Why fake tensors: `torch._subclasses.fake_tensor.FakeTensorMode` runs the model's own forward (and the drafter's
+backward and AdamW step) with tensors that carry shape, dtype and storage size but no data, so a Qwen3.6-27B
+shard or a 32k-row drafter step costs no memory and seconds of CPU. `torch.distributed._tools.mem_tracker.
+MemTracker` counts every storage those ops create and free (parameters, gradients, optimizer state,
+activations) and keeps the peak. Meta tensors alone give the weights but no timeline (nothing frees them);
+MemTracker over fake tensors gives the peak of the real op sequence. What neither sees is below the tensors:
+the CUDA context of each process on each GPU it touches (CUDA_CONTEXT_BYTES, an allowance) and the caching
+allocator's fragmentation (the warning threshold leaves WARN_FRACTION of headroom for it).
+
+    python -m producer memory-plan JOB [--target-config DIR] [--json]     the target ranks and their rings
+    python -m consumer memory-plan JOB [--target-config DIR] [--json]     the drafter replicas
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+GIB = 2**30
+# Allowance for one process's CUDA context on one GPU (driver state, kernel images with lazy loading, cuBLAS
+# workspace): not a tensor, so no tracker sees it. bench/gpu_check.py's memory stage measures the real figure.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+WARN_FRACTION = 0.92  # a device planned past this share of its memory is reported as over
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """One process's planned peak on one device; parts name what the bytes are (weights, ring, step, ...)."""
+
+    process: str
+    device: str
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> ProcessMemory:
+        d = json.loads(line)
+        return cls(str(d["process"]), str(d["device"]), {str(k): int(v) for k, v in d["parts"].items()})
+
+
+def tracked_peak(run: Callable[[], object], modules: Iterable = (), optimizers: Iterable = ()) -> int:
+    """Peak bytes of every tensor storage alive while `run()` executes (call it inside a FakeTensorMode, or on
+    real tensors), counting the given modules' parameters and buffers and the optimizers' states from the start."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*modules, *optimizers)
+    with tracker:
+        run()
+    peaks = tracker.get_tracker_snapshot("peak")
+    return int(sum(v["Total"] for dev, v in peaks.items() if isinstance(dev, torch.device)))
+
+
+def device_totals(entries: Iterable[ProcessMemory]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for e in entries:
+        totals[e.device] = totals.get(e.device, 0) + e.total
+    return totals
+
+
+def nvml_device_bytes() -> dict[str, int]:
+    """cuda:i → total memory from NVML; {} where NVML is absent (this CPU-only machine)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound and friends: no GPU here
+        return {}
+    try:
+        return {f"cuda:{i}": int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
+                for i in range(pynvml.nvmlDeviceGetCount())}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def render(entries: list[ProcessMemory], sizes: dict[str, int], default_size: int | None) -> tuple[str, list[str]]:
+    """The per-device table (each process's parts on it) and one warning per device planned over its memory."""
+    lines, warnings = ["planned GPU memory per device (peak; fake-tensor run of the real code, see common/memory_plan.py):"], []
+    for dev, total in sorted(device_totals(entries).items(), key=lambda kv: _device_key(kv[0])):
+        size = sizes.get(dev, default_size)
+        of = f" of {gib(size)} ({100 * total / size:.0f} %)" if size else ""
+        lines.append(f"  {dev}: {gib(total)}{of}")
+        for e in (e for e in entries if e.device == dev):
+            parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items() if v)
+            lines.append(f"      {e.process:<24} {gib(e.total):>10}  {parts}")
+        if size and total > WARN_FRACTION * size:
+            warnings.append(f"WARNING: {dev} is planned at {gib(total)}, over {WARN_FRACTION:.0%} of its {gib(size)}"
+                            " (the rest is the caching allocator's headroom): the job would run out of memory there")
+    if not sizes and default_size is None:
+        lines.append("  (device sizes unknown: no NVML here; pass --device-memory GIB to check them)")
+    return "\n".join(lines), warnings
+
+
+def _device_key(dev: str) -> tuple[str, int]:
+    kind, _, idx = dev.partition(":")
+    return kind, int(idx) if idx.isdigit() else -1
