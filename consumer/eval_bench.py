@@ -118,11 +118,14 @@ def run_benchmark(
     stops = [tokenizer.eos_token_id] if stop_token_ids is None and tokenizer.eos_token_id is not None else stop_token_ids
     device = next(target.model.parameters()).device
     torch.manual_seed(seed)
+    # one target, read at each drafter's own layers (a published drafter may fuse other layers than ours)
+    runners = {name: target if list(getattr(d, "layer_ids", target.layer_ids)) == target.layer_ids
+               else TargetRunner(target.model, d.layer_ids) for name, d in drafters.items()}
     if warmup:  # allocator and kernel set-up stay out of the timings
         ids = torch.tensor(render(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], kwargs), device=device)
         greedy_generate(target, ids, min(8, max_new_tokens), stops, temperature)
-        for d in drafters.values():
-            speculative_generate(target, d, ids, min(8, max_new_tokens), stops, temperature)
+        for name, d in drafters.items():
+            speculative_generate(runners[name], d, ids, min(8, max_new_tokens), stops, temperature)
     tallies = {name: _Tally(d.block_size) for name, d in drafters.items()}
     plain_tokens, plain_seconds, responses = 0, 0.0, 0
     for p in prompts:
@@ -135,7 +138,7 @@ def run_benchmark(
             plain_seconds += plain.seconds
             responses += 1
             for name, d in drafters.items():
-                spec = speculative_generate(target, d, ids, max_new_tokens, stops, temperature)
+                spec = speculative_generate(runners[name], d, ids, max_new_tokens, stops, temperature)
                 tallies[name].add(spec)
                 pos = first_difference(plain.tokens, spec.tokens) if temperature == 0.0 else None
                 if pos is not None:

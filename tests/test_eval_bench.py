@@ -145,7 +145,7 @@ def test_local_copies_in_the_datasets_schema(tmp_path):
 def assets(tmp_path_factory):
     """A tiny target with a trained BPE tokenizer (Qwen3-like template), and two random drafters on disk:
     one exported by this project, one laid out as z-lab publishes (config keys as in its Qwen3 drafters,
-    block size inside dflash_config, model.safetensors, a dflash.py modeling file)."""
+    block size inside dflash_config, other target layers than ours, bf16 model.safetensors, a dflash.py)."""
     from consumer.checkpoint import export_config, write_export
     from consumer.model import DFlashDrafter, DrafterArch
     from consumer.target_parts import load_target_parts
@@ -173,7 +173,7 @@ def assets(tmp_path_factory):
     (zlab / "config.json").write_text(json.dumps({
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "attention_bias": False, "attention_dropout": 0.0, "dflash_config": {
-            "block_size": 8, "mask_token_id": tok.mask_token_id, "target_layer_ids": LAYER_IDS},
+            "block_size": 8, "mask_token_id": tok.mask_token_id, "target_layer_ids": [0, 2]},  # not ours
         "dtype": "bfloat16", "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
         "intermediate_size": 128, "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 4096,
         "max_window_layers": 2, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2,
@@ -196,16 +196,34 @@ class ScriptedDrafter:
         return oracle
 
 
+class LayerCheckingDrafter(ScriptedDrafter):
+    """Checks that the context it is given is the target's hidden states at its own layers [0, 2]."""
+
+    layer_ids = (0, 2)
+    checked = 0
+
+    def propose(self, context_features, tokens):
+        with torch.no_grad():
+            hs = self.target.model(tokens[None, :-1], output_hidden_states=True).hidden_states
+        want = torch.cat([hs[i + 1][0] for i in self.layer_ids], -1)
+        torch.testing.assert_close(context_features, want, rtol=1e-4, atol=1e-4)
+        self.checked += 1
+        return super().propose(context_features, tokens)
+
+
 def test_table_tau_and_histograms_against_a_hand_count(assets):
     """Two mt-bench records, two turns each: 4 responses of 31 tokens, stops off. Blocks of 8; a drafter
     right for 2 slots commits 3 tokens a step (10 steps after the prefill's token), one right for 5 commits 6
     (5 steps), one right for 3 commits 4 (8 steps, the last cut to 2 tokens but counted whole, as z-lab
-    counts it): τ 3, 6 and 4 exactly, and the histograms are those step counts times 4."""
+    counts it; it also reads other target layers than the others): τ 3, 6 and 4 exactly, and the
+    histograms are those step counts times 4."""
     model = AutoModelForCausalLM.from_pretrained(assets["target"], local_files_only=True)
     target = TargetRunner(model, LAYER_IDS)
     drafters = {f"right{k}": ScriptedDrafter(target, 8, k) for k in (2, 5, 3)}
+    drafters["right3"] = LayerCheckingDrafter(target, 8, 3)  # other layers than the target runner's [1, 3]
     prompts = build_prompts("mt-bench", RECORDS["mt-bench"])
     r = run_benchmark(target, drafters, assets["tok"], prompts, max_new_tokens=31, stop_token_ids=[], warmup=False)
+    assert drafters["right3"].checked == 4 * 8
     assert (r.prompts, r.responses, r.plain_tokens) == (2, 4, 4 * 31)
     want = {"right2": (3.0, 2, 10), "right5": (6.0, 5, 5), "right3": (4.0, 3, 8)}
     for name, (tau, slot, steps) in want.items():
