@@ -188,5 +188,6 @@ def render_text(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> 
 
 
 def render(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
-    """The prompt ids as z-lab makes them: `tokenizer.encode` of `render_text`."""
+    """The prompt ids as z-lab makes them: `tokenizer.encode` of `render_text` (special tokens added as
+    encode adds them: a template that writes its own BOS then has two, as in z-lab's runs)."""
     return tokenizer.encode(render_text(tokenizer, messages, chat_template_kwargs))
