@@ -11,6 +11,7 @@ one response: τ is the mean over responses of each response's mean acceptance l
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -109,6 +110,7 @@ def run_benchmark(
     stop_token_ids: StopIds = None,
     warmup: bool = True,
     seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> BenchmarkResult:
     """Every prompt's every turn: plain once, then each drafter. stop_token_ids None: the tokenizer's
     EOS (z-lab's `stop_token_ids=[tokenizer.eos_token_id]`)."""
@@ -128,7 +130,9 @@ def run_benchmark(
             speculative_generate(runners[name], d, ids, min(8, max_new_tokens), stops, temperature)
     tallies = {name: _Tally(d.block_size) for name, d in drafters.items()}
     plain_tokens, plain_seconds, responses = 0, 0.0, 0
-    for p in prompts:
+    for done, p in enumerate(prompts):
+        if progress is not None:
+            progress(done, len(prompts))
         messages: list[dict] = []
         for turn, text in enumerate(p.turns):
             messages.append({"role": "user", "content": text})

@@ -102,8 +102,13 @@ def _bench_main(args, kwargs: dict) -> int:
     max_new = args.max_new_tokens or 2048
     results = {}
     for name, prompts in benches:
+        def progress(done: int, total: int, name: str = name) -> None:  # long runs say where they are
+            if done % 16 == 0:
+                print(f"dflash-eval: {name}: {done}/{total} prompts", file=sys.stderr, flush=True)
+
         results[name] = run_benchmark(target, drafters, tokenizer, prompts, max_new_tokens=max_new,
-                                      temperature=args.temperature, chat_template_kwargs=kwargs, seed=args.seed)
+                                      temperature=args.temperature, chat_template_kwargs=kwargs, seed=args.seed,
+                                      progress=progress)
     doc = document(results, target=str(args.target), drafters=dict(named), temperature=args.temperature,
                    max_new_tokens=max_new, num_prompts=args.num_prompts, chat_template_kwargs=kwargs)
     _emit(doc, format_table(results, args.temperature, kwargs), args)
