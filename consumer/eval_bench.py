@@ -174,10 +174,10 @@ def _histogram_cell(hist: list[int]) -> str:
 
 def format_table(results: dict[str, BenchmarkResult], temperature: float, chat_template_kwargs: dict) -> str:
     """One row per (benchmark, drafter); the histogram row under it gives % of steps accepting 1..B."""
-    head = (f"temperature {temperature:g}, chat_template_kwargs {chat_template_kwargs or {}}; τ = mean accepted"
-            " length per step (bonus token included); speedup = time per token, plain ÷ speculative")
+    head = [f"temperature {temperature:g}, chat_template_kwargs {chat_template_kwargs or {}}",
+            "tau: mean tokens per step (bonus included); speedup: time per token, plain / speculative"]
     cols = f"{'benchmark':<10} {'drafter':<14} {'resp':>5} {'tau':>6} {'tok/s':>8} {'plain':>8} {'speedup':>7} lossless"
-    lines = [head, cols, "-" * len(cols)]
+    lines = [*head, cols, "-" * len(cols)]
     for bench, r in results.items():
         for name, d in r.drafters.items():
             lossless = "n/a" if d.lossless is None else ("yes" if d.lossless else f"NO ({len(d.mismatches)})")
