@@ -288,7 +288,14 @@ def test_cli_user_errors_exit_2_with_one_line(assets, tmp_path, capsys):
                                " split test"), lines
     assert "pass --bench gsm8k=PATH" in lines[0] and "field(s) question" in lines[0]  # how to provide it
     (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
+    dflash2 = tmp_path / "dflash2"
+    dflash2.mkdir()
+    (dflash2 / "model.safetensors").write_bytes((assets["zlab"] / "model.safetensors").read_bytes())
+    cfg = json.loads((assets["zlab"] / "config.json").read_text())
+    (dflash2 / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
     cases = [
+        (["--bench", str(tmp_path / "own.jsonl"), "--drafter", str(dflash2)],
+         "architectures ['DFlash2DraftModel']: only DFlashDraftModel drafters evaluate here"),
         (["--bench", str(tmp_path / "own.jsonl"), "--drafter", str(tmp_path / "nope")], "no config.json"),
         (["--bench", "gsm8k", "--chat-template-kwargs", "{x"], "--chat-template-kwargs: not JSON"),
         (["--bench", "gsm8k", "--prompts", "x.jsonl"], "give one of --bench LIST or --prompts FILE"),
