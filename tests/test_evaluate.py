@@ -135,7 +135,7 @@ def test_stops_at_eos_like_plain_greedy(target, prompts):
     assert plain.tokens == spec.tokens == free[: free.index(eos) + 1]
     # prefill: token 0; each step of 8 commits tokens 8k+1..8k+8: the step holding the stop is the last
     first = free.index(eos)
-    assert 0 < first and spec.accept_lengths == [8] * -(-first // 8)
+    assert first > 0 and spec.accept_lengths == [8] * -(-first // 8)
     stops = [free[30], free[3]]  # several stop ids: the earliest occurrence of any ends it
     first = min(free.index(t) for t in stops)
     spec = speculative_generate(target, ScriptedDrafter(target, 8), prompt, 40, stops)
