@@ -1,18 +1,13 @@
-"""dflash-eval: a trained drafter against its target, by real greedy speculative decoding.
+"""Speculative decoding of a trained or published drafter against its target, and the single-drafter report.
 
-    dflash-eval --target TARGET_DIR --drafter CKPT --prompts PROMPTS.jsonl [--limit N] [--json]
-
-CKPT is an exported checkpoint (config.json + model.safetensors) or a checkpoint root holding `latest`.
-Prompts are chat records ({"messages": [...]}, a trailing assistant turn is dropped) or {"prompt": str}.
-For every prompt the target decodes greedily twice, plainly and speculatively; the report gives τ (the
+CKPT is an export directory (config.json + model.safetensors, ours or z-lab's layout) or a checkpoint root
+holding `latest`. `run_eval` decodes one's own chat records plainly and speculatively and reports τ (the
 mean over responses of each response's mean acceptance length, dflash.md §4), its histogram, target
-forwards per generated token and the wall-clock speedup. The two outputs must be equal token for token;
-any difference is a failure and the exit status is 1. With --json the last stdout line is one JSON object.
+forwards per token and the wall-clock speedup; the command is consumer/eval_cli.py (dflash-eval).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -23,6 +18,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from consumer.eval_bench import first_difference
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
 from consumer.target_parts import load_target_parts
@@ -39,11 +35,14 @@ class DFlashProposer:
         self.mask_token_id = mask_token_id
         self.layer_ids = list(layer_ids)
 
-    def propose(self, context_features: Tensor, tokens: Tensor) -> Tensor:
+    def draft_logits(self, context_features: Tensor, tokens: Tensor) -> Tensor:
         block = tokens.new_full((self.block_size,), self.mask_token_id)
         block[0] = tokens[-1]
         feats = context_features.to(self.model.fc.weight.dtype)
-        return self.model.draft(feats, block)[1:].argmax(-1)  # [B-1]
+        return self.model.draft(feats, block)[1:]  # [B-1, V]
+
+    def propose(self, context_features: Tensor, tokens: Tensor) -> Tensor:
+        return self.draft_logits(context_features, tokens).argmax(-1)  # [B-1]
 
 
 def resolve_export_dir(path: str | Path) -> Path:
@@ -65,10 +64,14 @@ def load_drafter(
     """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head."""
     path = resolve_export_dir(ckpt)
     cfg = json.loads((path / "config.json").read_text())
+    archs = cfg.get("architectures") or ["DFlashDraftModel"]
+    if archs != ["DFlashDraftModel"]:
+        raise ValueError(f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel drafters evaluate here")
     try:
-        layer_ids = list(cfg["dflash_config"]["target_layer_ids"])
-        mask_token_id = int(cfg["dflash_config"]["mask_token_id"])
-        block_size = int(cfg["block_size"])
+        dflash = cfg["dflash_config"]
+        layer_ids = list(dflash["target_layer_ids"])
+        mask_token_id = int(dflash["mask_token_id"])
+        block_size = int(dflash.get("block_size", cfg.get("block_size", 16)))  # z-lab reads it there first
         rope = dict(cfg.get("rope_parameters") or {"rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})})
         theta = float(rope.pop("rope_theta"))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
@@ -154,13 +157,6 @@ class EvalReport:
         return asdict(self)
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def evaluate(
     target: TargetRunner,
     drafter: Drafter,
@@ -193,7 +189,7 @@ def evaluate(
             hist[k - 1] += 1
         if spec.mean_accept is not None:
             taus.append(spec.mean_accept)
-        pos = _first_difference(plain.tokens, spec.tokens)
+        pos = first_difference(plain.tokens, spec.tokens)
         if pos is not None:
             mismatches.append(
                 {
@@ -253,41 +249,10 @@ def run_eval(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, help="target model directory (HF format, local)")
-    ap.add_argument(
-        "--drafter", required=True, help="drafter export directory or checkpoint root with `latest`"
-    )
-    ap.add_argument("--prompts", required=True, help="JSONL of chat records or {'prompt': ...}")
-    ap.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--json", action="store_true", help="print the report as one JSON object, last")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    report = run_eval(
-        args.target,
-        args.drafter,
-        args.prompts,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype,
-        device=args.device,
-    )
-    print(format_report(report, Path(args.drafter).name), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(report.to_dict()))
-    if not report.lossless:
-        print(
-            f"dflash-eval: FAILED: speculative output differs from plain greedy on {len(report.mismatches)}"
-            " prompt(s)",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    """The dflash-eval command (consumer/eval_cli.py), kept here for `python -m consumer.evaluate`."""
+    from consumer.eval_cli import main as cli
+
+    return cli(argv)
 
 
 if __name__ == "__main__":

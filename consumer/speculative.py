@@ -7,7 +7,10 @@ One step, with p the position of the last committed token (the anchor):
     accept  the longest prefix of drafts equal to the target's argmax, plus the target's next
             ("bonus") token: a+1 tokens; the cache is cropped to positions 0..p+a and the features
             of those verified positions become context.
-With temperature 0 the output equals plain greedy decoding token for token (up to float ties).
+With temperature 0 the output equals plain greedy decoding token for token (up to float ties). With
+temperature T > 0 the drafts are sampled from the drafter's softmax(logits / T) and verified by speculative
+sampling (consumer/export/dflash.py `speculative_accept`): every committed token is distributed as the
+target's own sampling at T. Decoding ends after the step that commits a stop token anywhere in it.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+
+from consumer.export.dflash import speculative_accept
+
+StopIds = int | Collection[int] | None  # one id, several, or none
 
 
 class Drafter(Protocol):
@@ -31,6 +39,14 @@ class Drafter(Protocol):
     def propose(self, context_features: Tensor, tokens: Tensor) -> Tensor:
         """context_features [p, n·H]: target features of positions 0..p-1; tokens [p+1]: the committed
         ids, tokens[-1] being the anchor at position p -> draft ids [B-1] for positions p+1..p+B-1."""
+        ...
+
+
+class SamplingDrafter(Drafter, Protocol):
+    """A drafter that also gives its logits, which speculative sampling (temperature > 0) needs."""
+
+    def draft_logits(self, context_features: Tensor, tokens: Tensor) -> Tensor:
+        """As `propose`, but the logits [B-1, V] of the draft slots."""
         ...
 
 
@@ -83,16 +99,30 @@ class TargetRunner:
         return cache
 
 
-def _finish(new: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
-    """Cut the generated ids after the first EOS (kept) and at max_new_tokens."""
+def _stop_set(stop: StopIds) -> frozenset[int]:
+    if stop is None:
+        return frozenset()
+    return frozenset([int(stop)]) if isinstance(stop, int) else frozenset(int(i) for i in stop)
+
+
+def _finish(new: list[int], max_new_tokens: int, stops: frozenset[int]) -> list[int]:
+    """Cut the generated ids after the first stop token (kept) and at max_new_tokens."""
     new = new[:max_new_tokens]
-    if eos_token_id is not None and eos_token_id in new:
-        new = new[: new.index(eos_token_id) + 1]
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[: i + 1]
     return new
 
 
-def _done(new: list[int], max_new_tokens: int, eos_token_id: int | None) -> bool:
-    return len(new) >= max_new_tokens or (eos_token_id is not None and eos_token_id in new)
+def _pick(logits: Tensor, temperature: float) -> int:
+    """The target's next token: argmax at temperature 0, else a sample of softmax(logits / T)."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    return int(torch.multinomial(_probs(logits, temperature), 1))
+
+
+def _probs(logits: Tensor, temperature: float) -> Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 @dataclass
@@ -108,47 +138,68 @@ class Generation:
 
 
 def greedy_generate(
-    target: TargetRunner, prompt: Tensor, max_new_tokens: int, eos_token_id: int | None
+    target: TargetRunner, prompt: Tensor, max_new_tokens: int, stop: StopIds, temperature: float = 0.0
 ) -> Generation:
-    """Plain greedy decoding with a KV cache: one target forward per generated token."""
+    """Plain decoding with a KV cache, one target forward per generated token (greedy at temperature 0)."""
     t0 = time.perf_counter()
+    stops = _stop_set(stop)
     cache = target.new_cache()
     logits, _ = target.forward(prompt, cache, capture=False)
-    new = [int(logits[-1].argmax())]
+    new = [_pick(logits[-1], temperature)]
     forwards = 1
-    while not _done(new, max_new_tokens, eos_token_id):
+    while len(new) < max_new_tokens and new[-1] not in stops:
         logits, _ = target.forward(prompt.new_tensor(new[-1:]), cache, capture=False)
-        new.append(int(logits[-1].argmax()))
+        new.append(_pick(logits[-1], temperature))
         forwards += 1
-    return Generation(_finish(new, max_new_tokens, eos_token_id), forwards, time.perf_counter() - t0, [])
+    return Generation(_finish(new, max_new_tokens, stops), forwards, time.perf_counter() - t0, [])
 
 
 def speculative_generate(
-    target: TargetRunner, drafter: Drafter, prompt: Tensor, max_new_tokens: int, eos_token_id: int | None
+    target: TargetRunner,
+    drafter: Drafter,
+    prompt: Tensor,
+    max_new_tokens: int,
+    stop: StopIds,
+    temperature: float = 0.0,
 ) -> Generation:
-    """Greedy speculative decoding: one drafter and one target forward per step of a+1 tokens."""
+    """Speculative decoding: one drafter and one target forward per step of a+1 tokens. The step that
+    commits a stop token anywhere in it is the last; its a+1 is counted whole (as z-lab and SGLang do)."""
+    if temperature > 0.0 and not hasattr(drafter, "draft_logits"):
+        raise ValueError("speculative sampling (temperature > 0) needs a drafter with draft_logits")
     t0 = time.perf_counter()
     B = drafter.block_size
+    stops = _stop_set(stop)
     cache = target.new_cache()
     logits, context = target.forward(prompt, cache, capture=True)  # prefill; context [P, n·H]
-    tokens = torch.cat([prompt, logits[-1].argmax().view(1)])  # committed ids; the last is the anchor
+    tokens = torch.cat([prompt, prompt.new_tensor([_pick(logits[-1], temperature)])])  # the last is the anchor
     new = [int(tokens[-1])]
     forwards, accepts = 1, []
-    while not _done(new, max_new_tokens, eos_token_id):
-        drafts = drafter.propose(context, tokens).to(tokens.device, tokens.dtype)
+    while len(new) < max_new_tokens and new[-1] not in stops:
+        if temperature == 0.0:
+            drafts = drafter.propose(context, tokens).to(tokens.device, tokens.dtype)
+        else:
+            q = _probs(drafter.draft_logits(context, tokens), temperature)  # [B-1, V]
+            drafts = torch.multinomial(q, 1)[:, 0].to(tokens.device, tokens.dtype)
         if drafts.shape != (B - 1,):
             raise ValueError(f"drafter proposed shape {tuple(drafts.shape)}, expected ({B - 1},)")
         verify = torch.cat([tokens[-1:], drafts])
         saved = target.save_point(cache)
         logits, feats = target.forward(verify, cache, capture=True)
         forwards += 1
-        choice = logits.argmax(-1)  # [B]: choice[k] is the target's token for position p+k+1
-        a = int(torch.cumprod((drafts == choice[:-1]).int(), 0).sum())
-        accepted = torch.cat([drafts[:a], choice[a : a + 1]])  # a+1 tokens
+        if temperature == 0.0:
+            choice = logits.argmax(-1)  # [B]: choice[k] is the target's token for position p+k+1
+            a = int(torch.cumprod((drafts == choice[:-1]).int(), 0).sum())
+            nxt = int(choice[a])
+        else:
+            a, nxt = speculative_accept(_probs(logits, temperature), q.to(logits.device), drafts)
+        accepted = torch.cat([drafts[:a], drafts.new_tensor([nxt])])  # a+1 tokens
         cache = target.rollback(cache, saved, verify, a + 1)  # positions 0..p+a are verified
         forwards += int(saved is not None and a + 1 < B)  # a rolled-back linear-attention cache is re-fed
         context = torch.cat([context, feats[: a + 1]])
         tokens = torch.cat([tokens, accepted])
-        new += accepted.tolist()
         accepts.append(a + 1)
-    return Generation(_finish(new, max_new_tokens, eos_token_id), forwards, time.perf_counter() - t0, accepts)
+        step = accepted.tolist()
+        new += step
+        if stops.intersection(step):
+            break
+    return Generation(_finish(new, max_new_tokens, stops), forwards, time.perf_counter() - t0, accepts)

@@ -133,6 +133,27 @@ def test_stops_at_eos_like_plain_greedy(target, prompts):
     plain = greedy_generate(target, prompt, 40, eos)
     spec = speculative_generate(target, ScriptedDrafter(target, 8), prompt, 40, eos)
     assert plain.tokens == spec.tokens == free[: free.index(eos) + 1]
+    # prefill: token 0; each step of 8 commits tokens 8k+1..8k+8: the step holding the stop is the last
+    first = free.index(eos)
+    assert first > 0 and spec.accept_lengths == [8] * -(-first // 8)
+    stops = [free[30], free[3]]  # several stop ids: the earliest occurrence of any ends it
+    first = min(free.index(t) for t in stops)
+    spec = speculative_generate(target, ScriptedDrafter(target, 8), prompt, 40, stops)
+    assert spec.tokens == free[: first + 1] and spec.accept_lengths == [8] * -(-first // 8)
+
+
+def test_sampling_path_at_a_vanishing_temperature_is_greedy(target, prompts):
+    """Temperature 1e-6 makes p and q one-hot: speculative sampling then keeps exactly the greedy prefix,
+    which pins the alignment of the target's and the drafter's slots in the sampling path."""
+    drafter = random_dflash(target, 4)
+    for p in prompts[:2]:
+        prompt = torch.tensor(p)
+        greedy = speculative_generate(target, drafter, prompt, 20, None)
+        cold = speculative_generate(target, drafter, prompt, 20, None, temperature=1e-6)
+        assert (cold.tokens, cold.accept_lengths) == (greedy.tokens, greedy.accept_lengths)
+        assert greedy_generate(target, prompt, 20, None, temperature=1e-6).tokens == greedy.tokens
+    with pytest.raises(ValueError, match="needs a drafter with draft_logits"):
+        speculative_generate(target, ScriptedDrafter(target, 4), torch.tensor(prompts[0]), 5, None, temperature=1.0)
 
 
 def test_a_mismatch_is_reported(target, prompts, monkeypatch):

@@ -93,6 +93,46 @@ def test_spec_generate_stops_at_a_stop_token_and_the_length_limit(trained):
         draft.spec_generate(input_ids=prompts[0][None], max_new_tokens=4, target=target, temperature=-0.5)
 
 
+def _stop_inside_a_step(free: list[int], steps: list[int]) -> tuple[int, int] | None:
+    """(index in free, step) of a token committed strictly inside a step of >= 3 tokens (neither the step's
+    first nor its last) that occurs nowhere before it: a stop there ends decoding mid-block."""
+    start = 1  # free[0] is the prefill's token; step k commits free[start : start + steps[k]]
+    for k, n in enumerate(steps):
+        for i in range(start + 1, start + n - 1):
+            if i < len(free) and free[i] not in free[:i]:
+                return i, k
+        start += n
+    return None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-6], ids=["greedy", "sampling-path"])
+def test_spec_generate_stops_at_a_stop_token_inside_an_accepted_block(trained, temperature):
+    """Issue 22: a stop token committed inside a step (not its last token) must end decoding at that step:
+    the tokens end at the stop, and acceptance_lengths are the free run's steps up to and including the one
+    that committed it, on the greedy and on the speculative-sampling path (1e-6: one-hot p and q, so the
+    blocks are long enough to hold a stop inside; same seed, same draws up to there). Checking only the
+    last committed token decoded on to max_new_tokens and deflated τ with the extra steps."""
+    target, _, draft, prompts = trained
+    cases = 0
+    for prompt in prompts:
+        torch.manual_seed(11)
+        out = draft.spec_generate(input_ids=prompt[None], max_new_tokens=40, target=target, stop_token_ids=[],
+                                  temperature=temperature)
+        free, steps = out[0, len(prompt) :].tolist(), list(draft.acceptance_lengths)
+        hit = _stop_inside_a_step(free, steps)
+        if hit is None:
+            continue
+        i, k = hit
+        torch.manual_seed(11)
+        out = draft.spec_generate(input_ids=prompt[None], max_new_tokens=40, target=target,
+                                  stop_token_ids=[free[i]], temperature=temperature)
+        assert out[0, len(prompt) :].tolist() == free[: i + 1]
+        assert draft.acceptance_lengths == steps[: k + 1], (draft.acceptance_lengths, steps, i, k)
+        assert len(steps) > k + 1  # the free run went on past that step: the old loop would have too
+        cases += 1
+    assert cases >= 1, "no prompt committed a fresh token strictly inside a step of >= 3"
+
+
 def test_spec_generate_samples_and_is_greedy_at_a_vanishing_temperature(trained):
     """One-hot p and q (temperature 1e-6) make speculative sampling greedy verification: same tokens and the
     same acceptance per step, which pins the slot alignment of p, q and the drafts."""

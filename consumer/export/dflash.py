@@ -213,8 +213,9 @@ class DFlashDraftModel(PreTrainedModel):
         (speculative sampling, `speculative_accept`; torch's global RNG, so torch.manual_seed repeats a run).
         Per step: draft B-1 tokens from the anchor, verify them in one target forward, keep the accepted
         prefix plus one token from the target. Targets whose cache cannot be rolled back (linear-attention
-        layers) are restored from a copy and re-fed the accepted tokens. self.acceptance_lengths holds
-        each step's count of committed tokens."""
+        layers) are restored from a copy and re-fed the accepted tokens. Decoding ends after the step whose
+        committed tokens hold a stop token, wherever in the step it falls. self.acceptance_lengths holds each
+        step's count of committed tokens (a+1, the last step's included even past the stop or the limit)."""
         if not temperature >= 0.0:
             raise ValueError(f"spec_generate: temperature must be >= 0, got {temperature}")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -263,8 +264,10 @@ class DFlashDraftModel(PreTrainedModel):
                 target(input_ids=verify[:, : a + 1], **{cache_kw: tcache}, use_cache=True)
             ctx = self._features(out.hidden_states, dtype)[:, : a + 1]  # verified positions p..p+a
             accepted = [*drafts[:a].tolist(), nxt]
-            self.acceptance_lengths.append(a + 1)
+            self.acceptance_lengths.append(a + 1)  # what the step committed, as z-lab and SGLang count it
             tokens += accepted
+            if stops.intersection(accepted):  # a stop anywhere in the step ends the response
+                break
         new = tokens[P : P + max_new_tokens]
         for i, t in enumerate(new):
             if t in stops:
