@@ -47,7 +47,7 @@ class ReceivedBatch:
     sample_ids: list[int]
     hidden: torch.Tensor  # [T, n·H] target dtype
     input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] uint8
+    loss_mask: torch.Tensor  # [T] uint8, on the host
     cu_seqlens: torch.Tensor  # [B+1] int32, on the host
     received_at: float
 
@@ -219,9 +219,9 @@ class BatchStream:
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != view.dtype or buf.shape[1:] != view.shape[1:] or buf.shape[0] < view.shape[0]:
             rows = max(view.shape[0], self.job.data.tokens_per_batch + 1)
-            # cu_seqlens sizes the step on the host: copying it there here, where the copy-out already
-            # waits for its reads, spares the trainer a device sync of its own on every step
-            device = "cpu" if name == "cu_seqlens" else self.device
+            # cu_seqlens and loss_mask size the step on the host (its anchor count): copying them there here,
+            # where the copy-out already waits for its reads, spares the trainer a device sync on every step
+            device = "cpu" if name in ("cu_seqlens", "loss_mask") else self.device
             buf = torch.empty((rows, *view.shape[1:]), dtype=view.dtype, device=device)
             self._buffers[name] = buf
         return buf[: view.shape[0]]
