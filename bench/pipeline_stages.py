@@ -81,16 +81,17 @@ def new_trainer(job: JobConfig, drafter: str) -> Trainer:
     parts = load_target_parts(job.target.path)
     cfg = job.drafter(drafter)
     device = torch.device(cfg.devices[0] if cfg.devices else "cpu")
-    trainer = Trainer(cfg, parts, target_layer_ids(job, parts), device, job_seed=job.job.seed)
+    trainer = Trainer(cfg, parts, target_layer_ids(job, parts), device, job_seed=job.job.seed,
+                      tokens_per_batch=job.data.tokens_per_batch)
     trainer.warmup()
     return trainer
 
 
 def on_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
-    """The batch as a consumer holds it after copy-out: tokens on its device, cu_seqlens on the host."""
+    """The batch as a consumer holds it after copy-out: tokens on its device, cu_seqlens and loss_mask on the host."""
     if device.type == "cpu":
         return batch
-    moved = {k: getattr(batch, k).to(device) for k in ("input_ids", "loss_mask")}
+    moved = {k: getattr(batch, k).to(device) for k in ("input_ids",)}
     return dataclasses.replace(batch, **moved)
 
 

@@ -48,7 +48,7 @@ class Field:
 FIELDS: tuple[Field, ...] = (  # slot order: the features first and largest
     Field("hidden", FEATURES, "tokens", wide=True),
     Field("input_ids", "int64", "tokens"),
-    Field("loss_mask", "uint8", "tokens"),
+    Field("loss_mask", "uint8", "tokens", on_host=True),  # with cu_seqlens it sizes the step (its anchors)
     Field("cu_seqlens", "int32", "bounds", on_host=True),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
@@ -88,7 +88,7 @@ class PackedBatch:
     epoch: int  # pass over the data
     sample_ids: Sequence[int]
     input_ids: Tensor  # [T] int64
-    loss_mask: Tensor  # [T] uint8
+    loss_mask: Tensor  # [T] uint8, on the host
     cu_seqlens: Tensor  # [B+1] int32, on the host
     hidden: Tensor | None = None  # [T, n·H] target dtype
 

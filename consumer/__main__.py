@@ -113,7 +113,8 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         log.error("%s", err)
         return 2
     layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
-    trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof)
+    trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof,
+                      tokens_per_batch=job.data.tokens_per_batch)
     if cfg.distributed == "fsdp":
         group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
     ckpt_root = job.run_paths.checkpoints(cfg.name)

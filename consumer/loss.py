@@ -75,7 +75,7 @@ class DraftMetrics:
     """Running sums for logging, kept on the device; read() is the only synchronising call.
 
     acc_slot_k: share of valid slot-k predictions whose argmax is the label;
-    tau_est: 1 + mean over valid anchors of the number of leading correct slots 1..B-1,
+    tau_est: 1 + mean over anchors of the number of leading correct slots 1..B-1,
     stopping at the first wrong or label-less slot (the acceptance length a block would get).
     """
 
@@ -83,7 +83,8 @@ class DraftMetrics:
         self.block_size = block_size
         self.sums = torch.zeros(2 * block_size + 4, dtype=torch.float64, device=device)
 
-    def add(self, loss_sum: Tensor, correct: Tensor, weights: Tensor, anchor_valid: Tensor) -> None:
+    def add(self, loss_sum: Tensor, correct: Tensor, weights: Tensor) -> None:
+        """One batch: correct/weights [A·B] (every anchor is a real one: consumer.objective)."""
         B = self.block_size
         has_label = (weights > 0).view(-1, B)  # [A, B]
         ok = correct.view(-1, B) & has_label
@@ -96,8 +97,8 @@ class DraftMetrics:
                     [
                         loss_sum.detach().double(),
                         weights.sum().double(),
-                        (leading * anchor_valid).sum().double(),
-                        anchor_valid.sum().double(),
+                        leading.sum().double(),
+                        torch.tensor(float(has_label.shape[0]), dtype=torch.float64, device=leading.device),
                     ]
                 ),
             ]

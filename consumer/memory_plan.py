@@ -26,14 +26,9 @@ from torch import Tensor
 
 from common.config import DrafterConfig, JobConfig
 from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, tracked_peak
+from consumer.objective import anchor_budget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def planned_anchors(tokens_per_batch: int, nseq_max: int, anchors_per_seq: int) -> int:
-    """How many anchors a batch's step runs through the drafter (its query rows are this × block_size)."""
-    # lead: repoint at consumer.objective.anchor_budget at merge
-    return min(nseq_max * anchors_per_seq, tokens_per_batch // 8)
 
 
 class _FlexStandIn(torch.autograd.Function):
@@ -116,7 +111,7 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
     nseq = math.ceil(tokens / max_length)
     lengths = [tokens // nseq + (i < tokens % nseq) for i in range(nseq)]
     if anchors is None:
-        anchors = planned_anchors(tokens, tokens // 2, cfg.anchors_per_seq)  # a batch of 2-token sequences at most
+        anchors = anchor_budget(tokens, cfg.anchors_per_batch, cfg.anchors_per_seq)  # the most a batch runs
     per_seq = max(1, math.ceil(anchors / nseq))
     autocast = DTYPES[cfg.dtype] if cuda and cfg.dtype != "float32" else None
     frozen = autocast or torch.float32

@@ -16,7 +16,6 @@ non-persistent buffers, so state_dict() holds exactly what is trained and export
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from common.config import DrafterConfig
+from consumer.kernels.flex import FlexMask
 from consumer.objective import DenseMask
 from consumer.target_parts import TargetParts
 
@@ -119,32 +119,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-@functools.cache
-def compiled_flex_attention():
-    """flex_attention compiled once per process, with static shapes: the masks and q/k/v are padded to
-    length buckets (consumer.objective.flex_bucket), so each (bucket, window) compiles one graph and
-    every later batch of that bucket reuses it, never reaching the recompile limit (past which Dynamo
-    would fall back to eager flex and materialise the full score matrix)."""
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def _flex_attention(device_type: str):
-    # eager flex materialises the scores; compiled it is a fused block-sparse kernel
-    return compiled_flex_attention() if device_type == "cuda" else flex_attention
+def _eager_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
+    """Uncompiled flex (it materialises the scores: CPU tests and small inputs only)."""
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def _dense_attend(q: Tensor, k: Tensor, v: Tensor, key_index: Tensor, allowed: Tensor) -> Tensor:
     """q [Q, h, d]; k/v [T+Q, hk, d]; key_index [A, C+B]; allowed [A, 1, 1, C+B] -> [Q, h, d]."""
-    (Q, h, d), (A, K) = q.shape, key_index.shape
+    (Q, h, d), (A, K), hk = q.shape, key_index.shape, k.shape[1]
     idx = key_index.reshape(-1)
-    kb = k.index_select(0, idx).view(A, K, -1, d).transpose(1, 2)  # [A, hk, C+B, d]
-    vb = v.index_select(0, idx).view(A, K, -1, d).transpose(1, 2)
-    qb = q.view(A, Q // A, h, d).transpose(1, 2)  # [A, h, B, d]
+    kb = k.index_select(0, idx).view(A, K, hk, d).transpose(1, 2)  # [A, hk, C+B, d]
+    vb = v.index_select(0, idx).view(A, K, hk, d).transpose(1, 2)
+    qb = q.view(A, Q // max(A, 1), h, d).transpose(1, 2)  # [A, h, B, d] (a batch may have no anchor: A = Q = 0)
     o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, enable_gqa=True)
     return o.transpose(1, 2).reshape(Q, h, d)
 
 
-Mask = DenseMask | BlockMask | Tensor | None
+Mask = DenseMask | FlexMask | BlockMask | Tensor | None
 
 
 def _pad_rows(x: Tensor, n: int) -> Tensor:
@@ -154,21 +145,23 @@ def _pad_rows(x: Tensor, n: int) -> Tensor:
 def attend(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, mask: Mask) -> Tensor:
     """q [Q, h, d]; k/v_ctx [T, hk, d]; k/v_blk [Q, hk, d] -> [Q, h, d].
 
-    mask: a DenseMask (SDPA per block); a FlexAttention BlockMask over the bucket-padded grid
-    [Qp, Tp+Qp] (consumer.objective.flex_mask; q, k and v are zero-padded to it here); a boolean
+    mask: a DenseMask (SDPA per block); a FlexMask (a BlockMask over the padded grid [Qp, Tp+Qp] of
+    consumer.objective.flex_mask and the compiled kernel for it; q, k and v are zero-padded to it here)
+    or a bare BlockMask (the same, eager flex: tests, small inputs); a boolean
     [Q, T+Q] tensor over the full key axis (drafting with a window); or None (drafting: one block that
     sees every context row and itself).
     """
     dtype = v_ctx.dtype  # under autocast the norms return float32 while v is bf16; flex needs one dtype
     Q = q.shape[0]
     q = q.to(dtype)
-    if isinstance(mask, BlockMask):
-        Qp, KVp = mask.seq_lengths
+    if isinstance(mask, (FlexMask, BlockMask)):
+        block_mask, run = (mask.block_mask, mask.kernel) if isinstance(mask, FlexMask) else (mask, _eager_flex)
+        Qp, KVp = block_mask.seq_lengths
         Tp = KVp - Qp
         k = torch.cat([_pad_rows(k_ctx.to(dtype), Tp), _pad_rows(k_blk.to(dtype), Qp)])
         v = torch.cat([_pad_rows(v_ctx, Tp), _pad_rows(v_blk, Qp)])
         k, v, qh = k.transpose(0, 1)[None], v.transpose(0, 1)[None], _pad_rows(q, Qp).transpose(0, 1)[None]
-        o = _flex_attention(q.device.type)(qh, k, v, block_mask=mask, enable_gqa=True)
+        o = run(qh, k, v, block_mask)
         return o[0, :, :Q].transpose(0, 1)
     k = torch.cat([k_ctx, k_blk]).to(dtype)  # [T+Q, hk, d]: the full key axis
     v = torch.cat([v_ctx, v_blk])

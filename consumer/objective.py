@@ -1,10 +1,10 @@
 """The DFlash training objective on a packed batch (dflash.md §2): anchors, blocks, mask, labels, weights.
 
-Shapes: T packed tokens in `nseq` sequences (cu_seqlens); N anchors per sequence, A = nseq·N anchors,
-B block size, Q = A·B query rows. Anchors are grouped by sequence, sorted, padding ones last.
+Shapes: T packed tokens in `nseq` sequences (cu_seqlens); A anchors (only real ones: no padding anchor
+exists), B block size, Q = A·B query rows. Anchors are grouped by sequence, sorted.
 Keys are laid out as [T context rows ‖ Q block rows]; one predicate, `DraftBatch.allowed`, decides
 every (query row, key) pair, and both attention paths evaluate that same predicate:
-  - flex: a FlexAttention BlockMask over the full [Q, T+Q] grid, padded to length buckets (GPU training, sparse);
+  - flex: a FlexAttention BlockMask over the full [Q, T+Q] grid, padded to planned shapes (GPU training, sparse);
   - dense: a boolean SDPA mask per anchor over the only keys a block can ever see,
     [its sequence's first C context rows ‖ its own B rows] (C = longest sequence); every other key
     of the full grid is forbidden, so the two are the same mask.
@@ -16,10 +16,18 @@ anchor's row W-1 of them at most, each later row one fewer); for its own block's
 |k-k'| < W (every slot when B <= W). This is the window a sliding layer of the exported drafter applies when
 drafting at position p (consumer/export/dflash.py), so training and serving agree.
 
-Anchors: an anchor p needs loss_mask 1 at p and at p+1 (inside its sequence); its block may run past
-the sequence end, and the slots there carry no loss (SpecForge's rule: the ends of answers, their
-end-of-turn token included, are labels too). `partial_blocks=False` keeps the older rule: a whole
-block inside the sequence (p + B <= S), without the p+1 condition.
+Candidates: a position p is a candidate anchor if loss_mask is 1 at p and at p+1 (inside its sequence);
+its block may run past the sequence end, and the slots there carry no loss (SpecForge's rule: the ends of
+answers, their end-of-turn token included, are labels too). `partial_blocks=False` keeps the older rule: a
+whole block inside the sequence (p + B <= S), without the p+1 condition.
+
+Anchors of a batch (`_sample_anchors`): each sequence draws min(N, its candidates) of its candidates
+uniformly without replacement (N = anchors_per_seq, SpecForge's rule); when the batch's total passes the
+budget M (`anchor_budget`), a uniform M of those draws are kept. Why cut the draws and not sample M
+anywhere among the batch's candidates: every candidate keeps the inclusion probability it has without a
+budget, scaled by one factor for the whole batch, so the weighted loss Σ w·CE / Σ w estimates the same
+objective (long and short sequences keep their relative shares) and a batch under the budget is exactly
+the unbudgeted objective. The counts come from host copies of cu_seqlens and loss_mask: no device sync.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from consumer.kernels.flex import FLEX_TILE, CompiledFlex, FlexMask, FlexPlan, flex_bucket
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,7 @@ def _allowed(
     ctx_pos: Tensor,
     anchor_seq: Tensor,
     anchor_tok: Tensor,
-    anchor_valid: Tensor,
+    anchor_valid: Tensor | None,
     block_pos: Tensor,
     window: int | None,
 ) -> Tensor:
@@ -63,7 +73,9 @@ def _allowed(
     # context: same sequence and strictly before the anchor (its own hidden state is not known yet)
     ctx_ok = is_ctx & (token_seq[j] == anchor_seq[a]) & (kv_idx < anchor_tok[a])
     own_block = ~is_ctx & ((kv_idx - T) // B == a)
-    ok = anchor_valid[a] & (ctx_ok | own_block)
+    ok = ctx_ok | own_block
+    if anchor_valid is not None:  # the padded grid of flex_mask: padding anchors see nothing
+        ok = ok & anchor_valid[a]
     if window is not None:
         key_pos = torch.where(is_ctx, ctx_pos[j], block_pos[(kv_idx - T).clamp(0, block_pos.numel() - 1)])
         ok = ok & ((block_pos[q_idx] - key_pos).abs() < window)
@@ -80,13 +92,13 @@ class DraftBatch:
     token_seq: Tensor  # [T] sequence of each packed token
     ctx_pos: Tensor  # [T] in-sequence position of each token (its RoPE position)
     seq_start: Tensor  # [nseq] packed index of each sequence's first token
-    anchor_tok: Tensor  # [A] packed index of each anchor p (its sequence's start for padding anchors)
+    anchor_tok: Tensor  # [A] packed index of each anchor p
     anchor_seq: Tensor  # [A]
-    anchor_valid: Tensor  # [A] bool; padding anchors see nothing and carry no loss
     block_ids: Tensor  # [Q] [x_p, MASK × (B-1)] per anchor
     block_pos: Tensor  # [Q] p+k (in-sequence positions)
     labels: Tensor  # [Q] x[p+k]: NOT shifted; slot k predicts the token at p+k
     weights: Tensor  # [Q] float32 w_k where slot k carries loss, else 0
+    num_candidates: int  # candidate anchor positions of the batch (host count), whatever was drawn
 
     @property
     def num_anchors(self) -> int:
@@ -104,7 +116,7 @@ class DraftBatch:
             ctx_pos=self.ctx_pos,
             anchor_seq=self.anchor_seq,
             anchor_tok=self.anchor_tok,
-            anchor_valid=self.anchor_valid,
+            anchor_valid=None,
             block_pos=self.block_pos,
             window=window,
         )
@@ -116,9 +128,24 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cp
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
-def _on_device(values: list[int], device: torch.device) -> Tensor:
-    """A few host ints on the device without a stream sync (a pinned, non-blocking copy on CUDA)."""
-    t = torch.tensor(values, dtype=torch.int64)
+ANCHORS_PER_BATCH_TOKENS = 4  # default budget: one anchor per 4 tokens of a full batch
+
+
+def anchor_budget(tokens_per_batch: int, anchors_per_batch: int | None, anchors_per_seq: int) -> int:
+    """The most anchors one batch runs through the drafter (its query rows: that × block_size).
+
+    `anchors_per_batch` when set; else tokens_per_batch // 4, so Q = 4 · tokens_per_batch · B/16 at most:
+    SpecForge's density (512 anchors on a 2,048-token sequence) over a whole batch, where a constant per
+    sequence made Q = nseq · 512 · B (2.9M rows on a batch of 355 short chats). Never below one sequence's
+    `anchors_per_seq`, so a batch of one long sequence keeps all its anchors."""
+    if anchors_per_batch is not None:
+        return anchors_per_batch
+    return max(anchors_per_seq, tokens_per_batch // ANCHORS_PER_BATCH_TOKENS)
+
+
+def _on_device(values: list[int] | Tensor, device: torch.device) -> Tensor:
+    """Host values on the device without a stream sync (a pinned, non-blocking copy on CUDA)."""
+    t = values if torch.is_tensor(values) else torch.tensor(values, dtype=torch.int64)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
@@ -132,40 +159,52 @@ def _host_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> list[int]:
     return cu
 
 
-def _sample_anchors(
-    loss_mask: Tensor,
-    cu: Tensor,
-    token_seq: Tensor,
-    pos: Tensor,
-    anchors_per_seq: int,
-    block_size: int,
-    generator: torch.Generator,
-    partial_blocks: bool,
-) -> tuple[Tensor, Tensor]:
-    """N anchors per sequence, uniformly without replacement among the candidate positions (module
-    docstring: loss_mask 1 at p and p+1, or with partial_blocks False loss_mask[p]==1 and p+B <= S),
-    sorted; padding anchors (valid False) fill sequences with too few.
+def _host(name: str, t: Tensor) -> Tensor:
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"build_draft_batch: {name} must be a host (CPU) tensor: its values size the step, and reading"
+            f" them from {t.device} would synchronise the device on every batch"
+        )
+    return t
 
-    Returns anchor_tok [nseq, N] (packed indices; a padding anchor points at its sequence's start)
-    and valid [nseq, N]. Sync-free: one random key per token, then a stable sort by sequence.
-    """
-    T, N = loss_mask.numel(), anchors_per_seq
-    lengths = cu[1:] - cu[:-1]  # [nseq]
+
+def _candidates(loss_mask: Tensor, lengths: Tensor, token_seq: Tensor, pos: Tensor, block_size: int,
+                partial_blocks: bool) -> Tensor:
+    """[T] bool: may p anchor a block (module docstring)? The same rule on the host and the device."""
+    T = loss_mask.numel()
     if partial_blocks:
         nxt = loss_mask[(torch.arange(T, device=loss_mask.device) + 1).clamp(max=T - 1)]
-        candidate = (loss_mask != 0) & (pos + 1 < lengths[token_seq]) & (nxt != 0)  # [T]
-    else:
-        candidate = (loss_mask != 0) & (pos + block_size <= lengths[token_seq])
-    keys = torch.rand(T, generator=generator, device=loss_mask.device)
+        return (loss_mask != 0) & (pos + 1 < lengths[token_seq]) & (nxt != 0)
+    return (loss_mask != 0) & (pos + block_size <= lengths[token_seq])
+
+
+def _sample_anchors(
+    candidate: Tensor,
+    cu: Tensor,
+    token_seq: Tensor,
+    per_seq: Tensor,
+    budget: int,
+    generator: torch.Generator,
+) -> Tensor:
+    """The packed indices [A] of the batch's anchors, sorted (so grouped by sequence): per_seq[s] =
+    min(N, candidates of s) drawn uniformly without replacement in each sequence, then, when they pass
+    `budget`, a uniform `budget` of them (module docstring). `per_seq` is a HOST tensor: A is known on the
+    host and every shape below is too (no sync). One random key per token, a stable sort by sequence; a
+    second draw only when the budget binds, so a batch under it draws exactly what it did without one."""
+    T, device = candidate.numel(), candidate.device
+    drawn = int(per_seq.sum())
+    keys = torch.rand(T, generator=generator, device=device)
     keys = torch.where(candidate, keys, 2.0)  # non-candidates sort last within their sequence
     order = torch.argsort(keys, stable=True)
     order = order[torch.argsort(token_seq[order], stable=True)]  # grouped by sequence, random within
-    n = torch.arange(N, device=cu.device)
-    pick = order[(cu[:-1, None] + n).clamp(max=T - 1)]  # [nseq, N] the first N picks of each sequence
-    valid = (n < lengths[:, None]) & candidate[pick]
-    sort_key, perm = torch.where(valid, pick, T).sort(dim=1)  # padding after every real anchor
-    valid = valid.gather(1, perm)
-    return torch.where(valid, sort_key, cu[:-1, None]), valid
+    # the first per_seq[s] entries of sequence s's segment of `order` (its first cu[s] .. cu[s]+per_seq[s]-1)
+    first = cu[:-1] - _on_device(torch.cumsum(per_seq, 0) - per_seq, device)  # [nseq] segment start - offset
+    seg = torch.repeat_interleave(torch.arange(per_seq.numel(), device=device), _on_device(per_seq, device),
+                                  output_size=drawn)
+    pick = order[first[seg] + torch.arange(drawn, device=device)]  # [drawn]
+    if drawn > budget:
+        pick = pick[torch.rand(drawn, generator=generator, device=device).argsort()[:budget]]
+    return pick.sort().values
 
 
 def build_draft_batch(
@@ -179,31 +218,45 @@ def build_draft_batch(
     gamma: float,
     generator: torch.Generator,
     partial_blocks: bool = True,
+    max_anchors: int | None = None,
 ) -> DraftBatch:
     """Anchors (resampled from `generator` at every call), block inputs, positions, labels and weights
-    of one packed batch: input_ids/loss_mask [T], cu_seqlens [nseq+1] as a HOST tensor (it sizes the step)."""
+    of one packed batch: input_ids [T] on the training device; loss_mask [T] and cu_seqlens [nseq+1] as
+    HOST tensors (they size the step). max_anchors: the batch's budget (`anchor_budget`), None: none."""
     device, T, B = input_ids.device, input_ids.numel(), block_size
-    cu_host = _host_cu_seqlens(cu_seqlens, T)
+    cu_host = _host_cu_seqlens(_host("cu_seqlens", cu_seqlens), T)
+    loss_mask_host = _host("loss_mask", loss_mask)
+    if loss_mask_host.numel() != T:
+        raise ValueError(f"build_draft_batch: loss_mask has {loss_mask_host.numel()} tokens, input_ids {T}")
     nseq = len(cu_host) - 1
-    cu = _on_device(cu_host, device)
+    # host side: the candidates' count per sequence sizes the step
+    cu_h = torch.tensor(cu_host, dtype=torch.int64)
+    lengths_h = cu_h[1:] - cu_h[:-1]
+    token_seq_h = torch.repeat_interleave(torch.arange(nseq), lengths_h, output_size=T)
+    cand_h = _candidates(loss_mask_host, lengths_h, token_seq_h, torch.arange(T) - cu_h[token_seq_h], B,
+                         partial_blocks)
+    count_h = torch.bincount(token_seq_h[cand_h], minlength=nseq)
+    per_seq = count_h.clamp(max=anchors_per_seq)
+    budget = int(per_seq.sum()) if max_anchors is None else max_anchors
+    # device side
+    cu = _on_device(cu_h, device)
+    loss_mask = _on_device(loss_mask_host, device)
     lengths = cu[1:] - cu[:-1]
     token_seq = torch.repeat_interleave(torch.arange(nseq, device=device), lengths, output_size=T)
     ctx_pos = torch.arange(T, device=device) - cu[token_seq]  # [T] position in its sequence
-    anchor_tok, valid = _sample_anchors(
-        loss_mask, cu, token_seq, ctx_pos, anchors_per_seq, B, generator, partial_blocks
-    )
+    candidate = _candidates(loss_mask, lengths, token_seq, ctx_pos, B, partial_blocks)
+    anchor_tok = _sample_anchors(candidate, cu, token_seq, per_seq, budget, generator)  # [A]
 
-    anchor_seq = torch.arange(nseq, device=device).repeat_interleave(anchors_per_seq)  # [A]
-    anchor_tok, valid = anchor_tok.reshape(-1), valid.reshape(-1)
+    anchor_seq = token_seq[anchor_tok]
     k = torch.arange(B, device=device)
-    block_pos = (anchor_tok - cu[anchor_seq])[:, None] + k  # [A, B] positions p+k
+    block_pos = ctx_pos[anchor_tok][:, None] + k  # [A, B] positions p+k
     label_tok = (anchor_tok[:, None] + k).clamp(max=T - 1)  # [A, B] packed index of x[p+k]
     in_seq = block_pos < lengths[anchor_seq][:, None]
-    has_loss = valid[:, None] & (k >= 1) & in_seq & (loss_mask[label_tok] != 0)
+    has_loss = (k >= 1) & in_seq & (loss_mask[label_tok] != 0)
     weights = slot_weights(B, gamma, device) * has_loss
 
     block_ids = torch.full((anchor_tok.numel(), B), mask_token_id, dtype=input_ids.dtype, device=device)
-    block_ids[:, 0] = torch.where(valid, input_ids[anchor_tok], mask_token_id)
+    block_ids[:, 0] = input_ids[anchor_tok]
     return DraftBatch(
         block_size=B,
         num_tokens=T,
@@ -213,11 +266,11 @@ def build_draft_batch(
         seq_start=cu[:-1],
         anchor_tok=anchor_tok,
         anchor_seq=anchor_seq,
-        anchor_valid=valid,
         block_ids=block_ids.reshape(-1),
         block_pos=block_pos.reshape(-1),
         labels=input_ids[label_tok].reshape(-1),
         weights=weights.reshape(-1),
+        num_candidates=int(count_h.sum()),
     )
 
 
@@ -244,29 +297,16 @@ def dense_mask(batch: DraftBatch, window: int | None = None) -> DenseMask:
     return DenseMask(key_index=kv, allowed=batch.allowed(q, kv[:, None, :], window)[:, None])
 
 
-FLEX_TILE = 128
-
-
-def flex_bucket(n: int) -> int:
-    """The padded length FlexAttention sees for n rows: the next of 128·2^k and 192·2^k (waste < 50%),
-    so compiled kernels and block masks are built once per bucket, not once per batch shape."""
-    size = FLEX_TILE
-    while True:
-        for cand in (size, size * 3 // 2):
-            if cand >= n:
-                return cand
-        size *= 2
-
-
-def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TILE) -> BlockMask:
+def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TILE,
+              plan: FlexPlan | None = None) -> BlockMask:
     """The block mask as a FlexAttention BlockMask over the padded grid [Qp, Tp + Qp]: context rows
-    padded to Tp = flex_bucket(T), block rows to Qp = flex_bucket(Q) (padding rows see nothing and are
-    seen by nobody). The mask function closes over tensors and bucket constants only, so torch.compile
-    reuses one graph per (bucket, window) instead of recompiling for every batch (consumer/model.py pads
-    q, k and v the same way)."""
+    padded to Tp, block rows to Qp (padding rows see nothing and are seen by nobody), the plan's one
+    shape when the batch fits it (consumer/kernels/flex.py), else length buckets (flex_bucket). The mask
+    function closes over tensors of those padded sizes and constants only, so a compiled kernel reuses one
+    graph per (shape, window) whatever the batch (consumer/model.py pads q, k and v the same way)."""
     device, T, B = batch.anchor_tok.device, batch.num_tokens, batch.block_size
     Q = batch.num_anchors * B
-    Tp, Qp = flex_bucket(T), flex_bucket(Q)
+    Tp, Qp = plan.padded(T, Q) if plan is not None else (flex_bucket(T), flex_bucket(Q))
     Ap = -(-Qp // B)
 
     def pad(t: Tensor, n: int, value) -> Tensor:
@@ -274,7 +314,8 @@ def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TI
 
     token_seq, ctx_pos = pad(batch.token_seq, Tp, -1), pad(batch.ctx_pos, Tp, 0)
     anchor_seq, anchor_tok = pad(batch.anchor_seq, Ap, -2), pad(batch.anchor_tok, Ap, 0)
-    anchor_valid, block_pos = pad(batch.anchor_valid, Ap, False), pad(batch.block_pos, Qp, 0)
+    anchor_valid = torch.arange(Ap, device=device) < batch.num_anchors
+    block_pos = pad(batch.block_pos, Qp, 0)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return _allowed(
@@ -303,7 +344,16 @@ def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TI
     )
 
 
-def attention_masks(batch: DraftBatch, layer_types: list[str] | tuple[str, ...], window: int | None, flex: bool):
-    """One mask per attention kind the drafter's layers use: {"full_attention": ..., "sliding_attention": ...}."""
-    build = flex_mask if flex else dense_mask
-    return {kind: build(batch, window if kind == "sliding_attention" else None) for kind in set(layer_types)}
+def attention_masks(batch: DraftBatch, layer_types: list[str] | tuple[str, ...], window: int | None, flex: bool,
+                    kernel: CompiledFlex | None = None):
+    """One mask per attention kind the drafter's layers use: {"full_attention": ..., "sliding_attention": ...}.
+    flex with a `kernel`: FlexMasks on its plan's grid, run by it (compiled); flex alone: BlockMasks (eager)."""
+
+    def build(w: int | None):
+        if not flex:
+            return dense_mask(batch, w)
+        if kernel is None:
+            return flex_mask(batch, w)
+        return FlexMask(flex_mask(batch, w, plan=kernel.plan), kernel)
+
+    return {kind: build(window if kind == "sliding_attention" else None) for kind in set(layer_types)}

@@ -21,14 +21,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from common.config import DrafterConfig
+from common.config import DataConfig, DrafterConfig
 from common.host_memory import keep_freed_memory
 from consumer.distributed import GroupError
 from consumer.kernels import weighted_ce
+from consumer.kernels.flex import CompiledFlex, FlexPlan
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DFlashDrafter, DrafterArch
-from consumer.objective import attention_masks, build_draft_batch
+from consumer.objective import anchor_budget, attention_masks, build_draft_batch
 from consumer.target_parts import TargetParts
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ class Trainer:
         *,
         job_seed: int = 0,
         prof=None,
+        tokens_per_batch: int = DataConfig.model_fields["tokens_per_batch"].default,
     ):
+        """tokens_per_batch: the job's data.tokens_per_batch; it sizes the anchor budget (objective.anchor_budget)."""
         self.cfg = cfg
         self.device = torch.device(device)
         if self.device.type == "cpu":
@@ -90,6 +93,7 @@ class Trainer:
                 " (FlexAttention has no CPU backward); use 'sdpa' or 'auto'"
             )
         self.use_flex = attention == "flex"
+        self.max_anchors = anchor_budget(tokens_per_batch, cfg.anchors_per_batch, cfg.anchors_per_seq)
         self.mask_token_id = resolve_mask_token_id(parts.path, parts.vocab_size, cfg.mask_token_id)
         frozen_dtype = self.autocast_dtype or torch.float32
         embed = parts.embed_tokens.to(self.device, frozen_dtype)
@@ -97,6 +101,9 @@ class Trainer:
         self.parts = dataclasses.replace(parts, embed_tokens=embed, lm_head=lm_head)  # no host copies kept
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
         self.model = DFlashDrafter(self.arch, embed, lm_head, init_seed=self.seed).to(self.device)
+        # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
+        self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
+                                                  len(set(self.arch.attention_layers))), prof) if self.use_flex else None
         self._build_optimizer()
         self.mesh = None  # FSDP2's device mesh once `shard` ran: parameters are DTensor shards
         self._deferred: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # FSDP: batches of the open step
@@ -191,7 +198,7 @@ class Trainer:
         T = 2 * self.cfg.block_size
         hidden = torch.zeros(T, self.arch.num_features * self.arch.hidden_size, device=self.device)
         ids = torch.zeros(T, dtype=torch.int64, device=self.device)
-        self._forward_backward(hidden, ids, torch.ones(T, dtype=torch.uint8, device=self.device),
+        self._forward_backward(hidden, ids, torch.ones(T, dtype=torch.uint8),
                                torch.tensor([0, T], dtype=torch.int32), stand_in=True)
 
     def gather_full_state(self) -> None:
@@ -249,7 +256,7 @@ class Trainer:
 
     def warmup(self, triton_cache_dir=None) -> None:
         """Compile/autotune the loss kernels for the training chunk before the first timed step."""
-        rows = min(self.cfg.loss_chunk_rows, self.cfg.anchors_per_seq * self.cfg.block_size)
+        rows = min(self.cfg.loss_chunk_rows, self.max_anchors * self.cfg.block_size)
         weighted_ce.warmup(
             self.parts.vocab_size, rows, self.parts.lm_head.dtype, self.device, triton_cache_dir
         )
@@ -259,7 +266,7 @@ class Trainer:
     ) -> dict[str, float] | None:
         """Train on one packed batch; returns the metrics dict on log steps, else None.
 
-        cu_seqlens is read on the host (its values size the step): pass a CPU tensor.
+        cu_seqlens and loss_mask are read on the host (their values size the step): pass CPU tensors.
         """
         self.accumulate(hidden, input_ids, loss_mask, cu_seqlens, seq)
         if self.cfg.tokens_per_step and self._pending_tokens < self.cfg.tokens_per_step:
@@ -293,22 +300,23 @@ class Trainer:
         cfg, dev = self.cfg, self.device
         with self._timer("anchors"):
             input_ids = input_ids.to(dev, torch.int64, non_blocking=True)
-            loss_mask = loss_mask.to(dev, non_blocking=True)
             hidden = hidden.to(dev, non_blocking=True)
             if self.autocast_dtype is None:
                 hidden = hidden.float()
             batch = build_draft_batch(
                 input_ids,
-                loss_mask,
-                cu_seqlens.cpu(),
+                loss_mask,  # host copies, as cu_seqlens: they size the step
+                cu_seqlens,
                 anchors_per_seq=cfg.anchors_per_seq,
                 block_size=cfg.block_size,
                 mask_token_id=self.mask_token_id,
                 gamma=cfg.loss_gamma,
                 generator=self._dummy_generator.manual_seed(0) if stand_in else self.generator,
                 partial_blocks=cfg.partial_blocks,
+                max_anchors=self.max_anchors,
             )
-            masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex)
+            masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex,
+                                    kernel=self.flex)
         with self._timer("forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             loss_sum, correct = chunked_lm_head_loss(
@@ -320,9 +328,9 @@ class Trainer:
             return
         self._pending_loss += loss_sum.detach()
         self._pending_weight += batch.weights.sum()
-        self.metrics.add(loss_sum, correct, batch.weights, batch.anchor_valid)
+        self.metrics.add(loss_sum, correct, batch.weights)
         if self.prof:
-            self.prof.count("anchors", batch.num_anchors)  # anchor slots, padding included (no sync)
+            self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
 
     def optimizer_step(self, seq: int) -> dict[str, float] | None:
         """Close the step whose last batch is `seq`; returns the metrics dict on log steps, else None.

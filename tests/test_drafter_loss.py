@@ -114,17 +114,16 @@ def test_metrics_per_slot_accuracy_and_tau():
     B = 4
     m = DraftMetrics(B, torch.device("cpu"))
     # 3 anchors; slot 0 never has a label. anchor 0: slots 1,2 right, 3 wrong -> 2 leading;
-    # anchor 1: slot 1 right, slot 2 has no label (loss_mask 0) -> 1 leading; anchor 2: padding
-    correct = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool).view(-1)
-    weights = torch.tensor([[0, 1.0, 0.8, 0.6], [0, 1.0, 0.0, 0.6], [0, 0, 0, 0]]).view(-1)
-    valid = torch.tensor([True, True, False])
-    m.add(torch.tensor(3.0), correct, weights, valid)
+    # anchor 1: slot 1 right, slot 2 has no label (loss_mask 0) -> 1 leading; anchor 2: slot 1 wrong -> 0
+    correct = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 0, 1, 1]], dtype=torch.bool).view(-1)
+    weights = torch.tensor([[0, 1.0, 0.8, 0.6], [0, 1.0, 0.0, 0.6], [0, 1.0, 0.0, 0.0]]).view(-1)
+    m.add(torch.tensor(3.0), correct, weights)
     out = m.read()
-    assert out["loss"] == pytest.approx(3.0 / 4.0)
-    assert out["acc_slot_1"] == 1.0
+    assert out["loss"] == pytest.approx(3.0 / 5.0)
+    assert out["acc_slot_1"] == pytest.approx(2 / 3)
     assert out["acc_slot_2"] == 1.0  # one labelled slot-2 prediction, right
     assert out["acc_slot_3"] == 0.5
-    assert out["tau_est"] == pytest.approx(1 + (2 + 1) / 2)
+    assert out["tau_est"] == pytest.approx(1 + (2 + 1 + 0) / 3)
     empty = m.read()  # the window was reset
     assert math.isnan(empty["loss"]) and math.isnan(empty["tau_est"])
 
@@ -190,3 +189,32 @@ def test_an_optimizer_step_normalises_by_the_weight_sum_of_all_its_batches(tmp_p
     assert trainer.step == 1 and set(seen) == set(want)
     for n in want:
         torch.testing.assert_close(seen[n], want[n], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("anchors_per_batch, want", [(None, 512 // 4), (40, 40)])
+def test_the_trainer_runs_at_most_its_anchor_budget(tmp_path, anchors_per_batch, want):
+    """20 sequences of 12 tokens (9 candidates each, 180 in all), 64 anchors per sequence asked: the old
+    trainer ran 20 × 64 = 1,280 anchors. Now: the budget, from data.tokens_per_batch (512 // 4) or the
+    job key, and the step still learns from them (a finite loss with weight)."""
+    from test_drafter_common import (
+        LAYER_IDS,
+        distinct_seqs,
+        drafter_cfg,
+        packed,
+        target_features,
+        tiny_target,
+    )
+
+    from common.profile import ProfileStats
+    from consumer.target_parts import load_target_parts
+    from consumer.trainer import Trainer
+
+    target = tiny_target(tmp_path / "t")
+    seqs = distinct_seqs([12] * 20)
+    prof = ProfileStats()
+    cfg = drafter_cfg(anchors_per_seq=64, anchors_per_batch=anchors_per_batch)
+    trainer = Trainer(cfg, load_target_parts(tmp_path / "t"), LAYER_IDS, "cpu", prof=prof, tokens_per_batch=512)
+    assert trainer.max_anchors == want
+    out = trainer.train_batch(target_features(target, seqs), *packed(seqs), seq=0)
+    assert prof.snapshot()["counters"]["anchors"] == want
+    assert math.isfinite(out["loss"]) and out["loss"] > 0
