@@ -68,24 +68,26 @@ def _kernels_stood_in(cuda: bool):
     from consumer import loss, model
     from consumer.kernels import weighted_ce
 
-    saved = model._flex_attention, loss.weighted_ce_
-    if cuda:
-        model._flex_attention = lambda _device_type: _flex_stand_in
+    saved = model._eager_flex, loss.weighted_ce_
+    if cuda:  # the masks below are bare BlockMasks on the plan's grid, which model.attend runs with _eager_flex
+        model._eager_flex = lambda q, k, v, block_mask: _flex_stand_in(q, k, v, block_mask=block_mask)
     if cuda or (weighted_ce.triton is not None and weighted_ce.INTERPRET):
         loss.weighted_ce_ = _triton_ce_stand_in
     try:
         yield
     finally:
-        model._flex_attention, loss.weighted_ce_ = saved
+        model._eager_flex, loss.weighted_ce_ = saved
 
 
-def _block_masks(batch, kinds: set[str]) -> dict:
-    """A BlockMask per layer kind with the real one's grid (consumer.objective.flex_mask) and index tensors."""
+def _block_masks(batch, kinds: set[str], tokens_per_batch: int, anchors: int) -> dict:
+    """A BlockMask per layer kind with the real one's grid (the run's FlexPlan: every batch is padded to
+    tokens_per_batch context and anchor budget × B block rows, consumer/kernels/flex.py) and index tensors."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from consumer.objective import FLEX_TILE, flex_bucket
+    from consumer.kernels.flex import FLEX_TILE, FlexPlan
 
-    Qp, Tp = flex_bucket(batch.num_anchors * batch.block_size), flex_bucket(batch.num_tokens)
+    plan = FlexPlan.for_run(tokens_per_batch, anchors, batch.block_size, len(kinds))
+    Tp, Qp = plan.padded(batch.num_tokens, batch.num_anchors * batch.block_size)
     nq, nk = Qp // FLEX_TILE, (Tp + Qp) // FLEX_TILE
 
     def blocks(rows: int, cols: int) -> tuple[Tensor, Tensor]:
@@ -116,24 +118,25 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
     autocast = DTYPES[cfg.dtype] if cuda and cfg.dtype != "float32" else None
     frozen = autocast or torch.float32
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)  # real: the step reads it on the host
+    # the anchors are drawn from host copies of loss_mask and cu_seqlens (data-dependent: no fake tensor can),
+    # so the batch is built for real once, outside the fake mode; its int tensors are a few MB at real shapes
+    ids, mask = torch.zeros(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.uint8)
+    batch = build_draft_batch(ids, mask, cu, anchors_per_seq=per_seq, block_size=cfg.block_size, mask_token_id=0,
+                              gamma=cfg.loss_gamma, generator=torch.Generator().manual_seed(0),
+                              partial_blocks=cfg.partial_blocks, max_anchors=anchors)
     with FakeTensorMode(allow_non_fake_inputs=True), _kernels_stood_in(cuda):
         embed = torch.empty(vocab, arch.hidden_size, dtype=frozen)
         model = DFlashDrafter(arch, embed, embed if tied else torch.empty(vocab, arch.hidden_size, dtype=frozen))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
                                        {"params": [p for p in params if p.ndim < 2]}], lr=cfg.lr, fused=True)
-        generator = torch.Generator().manual_seed(0)
 
         def one_step():
             hidden = torch.empty(tokens, arch.num_features * arch.hidden_size, dtype=DTYPES[feature_dtype])
             if autocast is None:
                 hidden = hidden.float()
-            ids, mask = torch.zeros(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.uint8)
-            batch = build_draft_batch(ids, mask, cu, anchors_per_seq=per_seq, block_size=cfg.block_size,
-                                      mask_token_id=0, gamma=cfg.loss_gamma, generator=generator,
-                                      partial_blocks=cfg.partial_blocks)
             kinds = set(arch.attention_layers)
-            masks = _block_masks(batch, kinds) if cuda else attention_masks(batch, arch.attention_layers,
+            masks = _block_masks(batch, kinds, tokens, anchors) if cuda else attention_masks(batch, arch.attention_layers,
                                                                             cfg.sliding_window, flex=False)
             with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
                 h = model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
