@@ -49,6 +49,7 @@ from pathlib import Path
 from bench.soak_faults import fill, hostile_control, hostile_telemetry, mount_tmpfs, unfill, unmount
 from bench.soak_procs import ROOT, JobWatch, Supervisor, build_job
 from common.accounting_check import check_run
+from common.checkpoint_pointer import read_pointer
 from common.config import load_job
 
 KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
@@ -250,7 +251,7 @@ class Chaos:
         t0 = time.time()
         os.kill(pid, signal.SIGKILL)
         proc.wait_exit(pid, timeout=RECOVERY_TIMEOUT_S)
-        newest = folder / (folder / "latest").read_text().strip()
+        newest = folder / read_pointer(folder)
         how = corrupt_checkpoint(newest, self.rng)
         self.notes["checkpoint_corrupt_" + ("truncated" if how.startswith("truncated") else "nan")] += 1
         took = self._back(name, t0, not_pid=pid)
