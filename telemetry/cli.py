@@ -24,6 +24,7 @@ import msgpack
 import zmq
 
 from common.config import ConfigError, RunPaths, load_job
+from common.startup import PHASE_NAMES
 from telemetry.aggregate import source_prefix
 from telemetry.service import REPUBLISH_SOCKET
 from telemetry.sinks import WINDOW_TOPIC
@@ -32,7 +33,7 @@ from telemetry.sinks import WINDOW_TOPIC
 PROCESS_TEXT = ("source", "role", "name", "host", "state")
 PROCESS_INTS = ("pid", "step", "gaps", "restarts")
 PROCESS_NUMBERS = ("tokens_per_s", "wait_pct", "busy_pct", "age_s")
-PROCESS_METRICS = ("loss", "tau_est")  # per-source window figures (a drafter's gauges), read from metrics
+PROCESS_METRICS = ("loss", "tau_est", "phase")  # per-source window figures (gauges), read from metrics
 GPU_TEXT = ("uuid", "name")
 GPU_INTS = ("index", "memory_used_bytes", "memory_total_bytes")
 GPU_NUMBERS = ("util_pct", "mem_util_pct", "power_w", "power_limit_w", "temperature_c", "sm_clock_mhz")
@@ -162,7 +163,14 @@ def _process(v: Any, metrics: dict) -> dict[str, Any]:
     prefix = source_prefix(out["role"], out["name"]) if out["role"] and out["name"] else None
     for key in PROCESS_METRICS:
         out[key] = None if prefix is None else _number(metrics.get(f"{prefix}/{key}"), f"metrics.{prefix}/{key}")
+    code = None if out["phase"] is None else round(out["phase"])  # a window's mean, if it spans a change
+    out["phase"] = PHASE_NAMES.get(code, "running") if code is not None else None
     return out
+
+
+def shown_state(p: dict[str, Any]) -> str | None:
+    """A live process in a start-up phase (loading, compiling, first batch) shows the phase instead."""
+    return p["phase"] if p["state"] == "live" and p["phase"] not in (None, "running") else p["state"]
 
 
 def fmt(v: Any, spec: str = ".1f") -> str:
@@ -175,7 +183,7 @@ def fmt(v: Any, spec: str = ".1f") -> str:
 
 
 # header: the widest cell shown whole (process names take what is left of 80 columns, at most 24)
-PROCESS_COLUMNS = {"state": 7, "step": 9, "tok/s": 8, "wait%": 5, "busy%": 5, "loss": 7, "τ": 5, "age s": 6}
+PROCESS_COLUMNS = {"state": 11, "step": 9, "tok/s": 8, "wait%": 5, "busy%": 5, "loss": 7, "τ": 5, "age s": 6}
 
 
 def render(state: dict[str, Any]):
@@ -200,7 +208,7 @@ def render(state: dict[str, Any]):
                          max_width=widest, overflow="ellipsis")  # fmt: skip
     for p in state["processes"]:
         style = None if p["state"] == "live" else "red"
-        procs.add_row(cell(p["name"]), cell(p["state"]), cell(p["step"], "d"), cell(p["tokens_per_s"], ".0f"),
+        procs.add_row(cell(p["name"]), cell(shown_state(p)), cell(p["step"], "d"), cell(p["tokens_per_s"], ".0f"),
                       cell(p["wait_pct"], ".0f"), cell(p["busy_pct"], ".0f"), cell(p["loss"], ".3f"),
                       cell(p["tau_est"], ".2f"), cell(p["age_s"]), style=style)  # fmt: skip
     parts: list[Any] = [procs]
@@ -240,7 +248,7 @@ def _producers(pipeline: dict[str, Any]) -> str:
 def plain_line(state: dict[str, Any]) -> str:
     """One line per window for a pipe or a log file (live mode when stdout is not a terminal)."""
     procs = " ".join(
-        f"{fmt(p['name'])}={fmt(p['state'])}/step {fmt(p['step'], 'd')}/{fmt(p['tokens_per_s'], '.0f')} tok/s"
+        f"{fmt(p['name'])}={fmt(shown_state(p))}/step {fmt(p['step'], 'd')}/{fmt(p['tokens_per_s'], '.0f')} tok/s"
         + (f"/loss {fmt(p['loss'], '.3f')}/τ {fmt(p['tau_est'], '.2f')}" if p["loss"] is not None else "")
         for p in state["processes"]
     )
