@@ -224,4 +224,9 @@ if ((status == 0 && demo)); then
   echo "launch.sh: evaluating the demo drafters by speculative decoding"
   "$PY" -m demo evaluate "$job" || status=$?
 fi
+# Pictures of the run (loss, τ, tokens/s; the demo's acceptance histogram), however it ended, never changing its
+# status: for the demo and on a terminal; DFLASH_PLOTS=1 always, =0 never (later: dflash-stats RUN_DIR --plot).
+if [[ ${DFLASH_PLOTS:-} == 1 ]] || { [[ ${DFLASH_PLOTS:-} != 0 ]] && { ((demo)) || [[ -t 1 ]]; }; }; then
+  "$PY" -m telemetry.plot "$run_dir" 2>&1 | sed 's/^/launch.sh: plots: /'
+fi
 exit "$status"

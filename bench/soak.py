@@ -66,6 +66,7 @@ from bench.soak_faults import (
 )
 from bench.soak_procs import ROOT, JobWatch, Supervisor, build_job
 from common.accounting_check import check_run
+from common.checkpoint_pointer import read_pointer
 from common.config import load_job
 from telemetry.aggregate import MAX_SOURCES
 
@@ -271,7 +272,7 @@ class Chaos:
         t0 = time.time()
         os.kill(pid, signal.SIGKILL)
         proc.wait_exit(pid, timeout=RECOVERY_TIMEOUT_S)
-        newest = folder / (folder / "latest").read_text().strip()
+        newest = folder / read_pointer(folder)
         how = corrupt_checkpoint(newest, self.rng)
         self.notes["checkpoint_corrupt_" + ("truncated" if how.startswith("truncated") else "nan")] += 1
         took = self._back(name, t0, not_pid=pid)

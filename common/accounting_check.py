@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from common.accounting import ACCOUNTING_DIR, DEFAULT_LINEAGE, ledger_id_of, per_node, sample_digest
+from common.checkpoint_pointer import read_pointer
 
-LATEST = "latest"  # consumer/checkpoint.py's pointer file (common never imports a role)
 STATE_FILE = "trainer_state.pt"
 
 
@@ -133,10 +133,9 @@ def read_records(run_dirs: list[Path]) -> tuple[list[dict], int]:
 
 def final_ledger_id(ckpt_root: Path) -> tuple[str | None, int, str | None]:
     """(ledger id, step, checkpoint name) of the checkpoint `latest` points at; (None, 0, None) if none."""
-    pointer = ckpt_root / LATEST
-    if not pointer.is_file():
+    name = read_pointer(ckpt_root)
+    if name is None:
         return None, 0, None
-    name = pointer.read_text().strip()
     state = torch.load(ckpt_root / name / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     return ledger_id_of(state), int(state["step"]), name
 

@@ -17,6 +17,7 @@ from common.accounting import LineageError, TrainLedger, ledger_id_of, resume_li
 from common.config import ConfigError, dflash_layer_ids, load_job
 from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
+from common.startup import StartupBeat
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from common.supervisor import watch_supervisor
@@ -107,6 +108,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None,
         interval: float, name: str, trace_path: str | None, stop: StopSignal, launch_id: str) -> int:
+    # published from the start, so that loading and compiling show as phases, not as a silent process
+    stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval, prof) if prof else None
+    try:
+        return _run(job, cfg, env, group, device, prof, name, trace_path, stop, launch_id, stats,
+                    StartupBeat(stats, log, name))  # fmt: skip
+    finally:
+        if stats:
+            stats.close()
+
+
+def _run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None, name: str,
+         trace_path: str | None, stop: StopSignal, launch_id: str, stats, beat: StartupBeat) -> int:
+    with beat.phase("loading", f"target parts of {job.target.path}, the drafter, its checkpoint"):
+        status = _load(job, cfg, env, group, device, prof, name)
+    if isinstance(status, int):
+        return status
+    trainer, cursor, resumed, lineages, layer_ids, ckpt_root = status
+    with beat.phase("compiling", "kernels and the first-call paths"):
+        trainer.warmup(triton_cache_dir=job.run_paths.root / "triton-cache")
+    if stop.reason:  # stopped while loading: nothing trained, nothing to save
+        log.info("%s: %s during start-up; exiting", name, stop.reason)
+        return 0
+    return _serve(job, cfg, env, group, device, prof, name, trace_path, stop, launch_id, stats, beat,
+                  trainer, cursor, resumed, lineages, layer_ids, ckpt_root)  # fmt: skip
+
+
+def _load(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None, name: str):
+    """(trainer, cursor, resumed, lineages, layer_ids, checkpoint root), or an exit status."""
     try:
         parts = load_target_parts(job.target.path)
     except TargetPartsError as err:
@@ -154,12 +183,12 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         trainer.grad_sync = group.sum_grads
         log.info("%s is rank %d of %d (node %d of %d), group at %s:%d", name, env.rank, env.world_size,
                  env.node_rank, env.nnodes, env.master_addr, env.master_port)
-    trainer.warmup(triton_cache_dir=job.run_paths.root / "triton-cache")
-    if stop.reason:  # stopped while loading: nothing trained, nothing to save
-        log.info("%s: %s during start-up; exiting", name, stop.reason)
-        return 0
+    return trainer, cursor, resumed, lineages, layer_ids, ckpt_root
 
-    stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval, prof) if prof else None
+
+def _serve(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof: ProfileStats | None, name: str,
+           trace_path: str | None, stop: StopSignal, launch_id: str, stats, beat: StartupBeat,
+           trainer, cursor, resumed, lineages, layer_ids, ckpt_root) -> int:
     # the stream asks for the resume seq on every (re)attachment: the service knows it (bound late)
     # one stream per target replica's producer (consumer/fanin.py); each asks for its own resume seq
     producers = job.target.replicas
@@ -175,15 +204,11 @@ def run(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, prof
         ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
                            base=ledger_id_of(resumed[1]) if resumed else None,
                            resumed_from=resumed[0] if resumed else None, lineages=lineages),
-        stop=stop,
+        stop=stop, beat=beat,
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
              cfg.num_layers, cfg.block_size, layer_ids)
-    try:
-        return service.run()
-    finally:
-        if stats:
-            stats.close()
+    return service.run()
 
 if __name__ == "__main__":
     sys.exit(main())

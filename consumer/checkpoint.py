@@ -6,7 +6,8 @@
                          trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq,
                                              the drafter's shape (consumer/shape.py)
                          manifest.json       size and xxh3-128 digest of each file above, written last
-    <ckpt_root>/latest                       "step_<N>", replaced atomically after the directory is complete
+    <ckpt_root>/latest -> step_<N>           a relative symlink (a loadable directory), replaced atomically
+                                             after the directory is complete (common/checkpoint_pointer.py)
 
 A checkpoint is written into a temporary directory next to its final place, fsynced, then renamed;
 `latest` moves only after that, so a crash at any point leaves the previous checkpoint intact and current.
@@ -37,6 +38,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from common.checkpoint_pointer import LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
 from consumer.model import DrafterArch
@@ -48,7 +50,6 @@ STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 DIGEST = "xxh3_128"
 EXPORT_FILES = ("config.json", "model.safetensors", "dflash.py")
-LATEST = "latest"
 CORRUPT_PREFIX = "corrupt-"
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,7 @@ def _write_error(root: Path, trainer, err: Exception) -> CheckpointWriteError:
         found = re.search(r"os error (\d+)", str(err))
         code = int(found[1]) if found else errno.ENOSPC if free is not None and free < checkpoint_bytes(trainer) \
             else errno.EIO
-    pointer = root / LATEST
-    current = pointer.read_text().strip() if pointer.is_file() else "none"
+    current = read_pointer(root) or "none"
     reason = os.strerror(code) if code != errno.EIO else f"{type(err).__name__}: {err}"
     room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
     return CheckpointWriteError(code, f"cannot write checkpoint step_{trainer.step} in {root}: {reason} ({room});"
@@ -217,11 +217,7 @@ def _save(root: Path, trainer, keep_last: int) -> Path:
             os.rename(final, stale / name)
         os.rename(tmp, final)
         _fsync_dir(root)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(name + "\n")
-        _fsync_file(pointer)
-        os.replace(pointer, root / LATEST)
-        _fsync_dir(root)
+        write_pointer(root, name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if stale is not None and not final.exists():
@@ -348,7 +344,7 @@ class Checkpoint:
 
 def _candidates(root: Path) -> list[Path]:
     """What `latest` points at, then every older step_<N> directory, newest first."""
-    name = (root / LATEST).read_text().strip()
+    name = read_pointer(root)
     steps = sorted(((int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit()), reverse=True)
     top = int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else math.inf
     return [root / name] + [p for n, p in steps if n < top]
@@ -360,7 +356,7 @@ def load_latest(ckpt_root: str | Path) -> Checkpoint | None:
     Read-only. Each broken one is logged with its file and fault; `Checkpoint.skipped` lists them. When
     every one is broken: NoIntactCheckpoint naming the folder."""
     root = Path(ckpt_root)
-    if not (root / LATEST).is_file():
+    if read_pointer(root) is None:
         return None
     faults: list[tuple[Path, str]] = []
     for path in _candidates(root):
@@ -397,11 +393,7 @@ def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
                 aside.rmdir()
             os.rename(path, aside)
             log.warning("set the broken checkpoint %s aside as %s", path, aside.name)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(ckpt.path.name + "\n")
-    _fsync_file(pointer)
-    os.replace(pointer, root / LATEST)
-    _fsync_dir(root)
+    write_pointer(root, ckpt.path.name)
     log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
     return ckpt
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from common.checkpoint_pointer import read_pointer
 from consumer.eval_bench import first_difference
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
@@ -48,8 +49,8 @@ class DFlashProposer:
 def resolve_export_dir(path: str | Path) -> Path:
     """An export directory, or the one a checkpoint root's `latest` names."""
     path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    if (name := read_pointer(path)) is not None:
+        path = path / name
     for name in ("config.json", "model.safetensors"):
         if not (path / name).is_file():
             raise FileNotFoundError(

@@ -11,6 +11,7 @@ With one replica the flags are local and a round is one batch: the loop is the p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -19,6 +20,7 @@ from typing import Protocol
 
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
+from common.startup import StartupBeat
 from common.supervisor import STOP_SIGNALS, stop_reason
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
@@ -77,6 +79,7 @@ class ConsumerService:
         trace: StepTrace | None = None,
         ledger: TrainLedger | None = None,
         stop: StopSignal | None = None,
+        beat: StartupBeat | None = None,
     ):
         """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
         `cursor` is where the group resumes (from its checkpoint, or fresh), one per producer of each node:
@@ -110,6 +113,8 @@ class ConsumerService:
         self._skip = cursor.above(self.node)  # trained before the checkpoint we resumed from
         self.producers = cursor.producers
         self._highest_seen: dict[int, int] = {}  # per producer: the highest seq trained since the start
+        self.beat = beat
+        self._startup: contextlib.ExitStack | None = None  # the "first batch" phase, until the first step
 
     def resume_seq(self, producer: int = 0) -> int:
         """The seq this replica asks `producer` for in HELLO: the group's cursor for that producer, past what
@@ -126,6 +131,9 @@ class ConsumerService:
     def run(self) -> int:
         if self._stop is None:
             self._stop = StopSignal()
+        if self.beat:
+            self._startup = contextlib.ExitStack()
+            self._startup.enter_context(self.beat.phase("first batch", "waiting for it, then training it"))
         try:
             while True:
                 if self._round is None and self._ended is None and self._fault is None:
@@ -155,6 +163,7 @@ class ConsumerService:
             log.error("%s: %s", self.name, err)
             return self._finish(EXIT_FAILED, "checkpoint write failed", save=False)
         finally:
+            self._end_startup()
             self.stream.close()
             if self.trace:
                 self.trace.close()
@@ -223,6 +232,13 @@ class ConsumerService:
         if not tokens_per_step or self._group_tokens >= tokens_per_step:
             self._step()
 
+    def _end_startup(self) -> None:
+        """Leave the start-up phase (its beat thread stops publishing) before this thread publishes."""
+        if self._startup is not None:
+            self._startup.close()
+            self._startup = None
+            self.beat.running(self.trainer.step)
+
     def _step(self) -> None:
         seqs, samples = self._step_seqs, self._step_samples
         tokens_before = self.trainer.tokens
@@ -245,6 +261,7 @@ class ConsumerService:
                         self.prof.gauge(key, value)
         if self.trainer.step - self._saved_step >= self.checkpoint_every:
             self._save("periodic")
+        self._end_startup()
         if self.stats:
             self.stats.maybe_publish(step=self.trainer.step)
 

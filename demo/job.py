@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -34,7 +33,8 @@ from producer.plan import BatchPlan
 from producer.regenerate import regenerate
 
 READY = "READY"
-ASSETS_VERSION = 2  # bump when what the assets hold changes: older builds are rebuilt
+ASSETS_VERSION = 3  # bump when what the assets hold changes: older builds are rebuilt
+BUILD_THREADS = 1  # torch threads of the build: a fixed count makes the assets the same on every machine
 DEMO_GOAL_TAU = 3.0  # for the block-16 drafter
 
 
@@ -48,8 +48,7 @@ class DemoSize:
     vocab: int = 1024
     shape: TargetShape = field(default_factory=lambda: TargetShape(num_layers=4))
     layer_ids: tuple[int, ...] = (1, 2, 3)  # target features fused by the drafters
-    pretrain_s: float = 180.0
-    pretrain_max_steps: int = 100_000
+    pretrain_steps: int = 2000  # fixed, so the target is the same whatever the machine's speed or load
     pretrain_batch: int = 4
     pretrain_seq: int = 256
     pretrain_lr: float = 8e-3
@@ -70,8 +69,7 @@ QUICK = DemoSize(
     vocab=300,
     shape=TargetShape(hidden_size=32, num_layers=4, heads=2, kv_heads=1, head_dim=16, intermediate_size=64),
     layer_ids=(1, 3),
-    pretrain_s=30.0,
-    pretrain_max_steps=8,
+    pretrain_steps=8,
     pretrain_batch=2,
     pretrain_seq=128,
     max_new_tokens=24,
@@ -87,18 +85,13 @@ def log(msg: str) -> None:
     print(f"demo: {msg}", file=sys.stderr, flush=True)
 
 
-def idle_cores() -> int:
-    """Cores not busy now (cores minus the 1-minute load average, at least 1). OpenMP threads that share
-    a core with other work wait at every barrier: on a busy 2-core machine 2 threads ran a training step
-    several times slower than 1 did."""
-    return max(1, (os.cpu_count() or 1) - round(os.getloadavg()[0]))
-
-
-def build_assets(assets: Path, size: DemoSize, seed: int = 0, threads: int | None = None) -> dict:
-    """Build every asset into `assets` (emptied first) with `threads` torch threads (default: the idle
-    cores); returns the measurements written to READY."""
+def build_assets(assets: Path, size: DemoSize, seed: int = 0, threads: int = BUILD_THREADS) -> dict:
+    """Build every asset into `assets` (emptied first) with `threads` torch threads; returns the
+    measurements written to READY. Same (size, seed, threads) → byte-identical weights and data: the
+    thread count is part of the recipe (it sets the order of every float sum), so it is fixed, not
+    taken from the cores or the load."""
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads or idle_cores())
+    torch.set_num_threads(threads)
     log(f"using {torch.get_num_threads()} torch thread(s)")
     try:
         return _build(assets, size, seed)
@@ -131,8 +124,7 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
         seq_len=size.pretrain_seq,
         batch_size=size.pretrain_batch,
         lr=size.pretrain_lr,
-        time_budget_s=size.pretrain_s,
-        max_steps=size.pretrain_max_steps,
+        steps=size.pretrain_steps,
         seed=seed,
     )
     log(
@@ -241,7 +233,7 @@ wandb_project = "dflash-demo"
 """
 
 
-def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: int | None = None) -> Path:
+def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: int = BUILD_THREADS) -> Path:
     """Build the demo's assets under run_dir/assets unless a complete build of the same size is there;
     write run_dir/demo.toml and return its path."""
     run_dir = Path(run_dir).resolve()
@@ -249,7 +241,12 @@ def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: in
     assets = run_dir / "assets"
     ready = assets / READY
     report = json.loads(ready.read_text()) if ready.is_file() else None
-    wanted = {"version": ASSETS_VERSION, "size": json.loads(json.dumps(asdict(size))), "seed": seed}
+    wanted = {
+        "version": ASSETS_VERSION,
+        "size": json.loads(json.dumps(asdict(size))),
+        "seed": seed,
+        "torch_threads": threads,
+    }
     if report is None or any(report.get(k) != v for k, v in wanted.items()):
         log(f"building the demo assets in {assets} ({'quick' if quick else 'full'})")
         report = build_assets(assets, size, seed, threads)
@@ -296,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--quick", action="store_true", help="tiny assets in seconds (tests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the idle cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=BUILD_THREADS,
+        help=f"torch threads of the build (default {BUILD_THREADS}; another count builds other weights)",
+    )
     e = sub.add_parser("evaluate", help="speculative decoding with the demo job's trained drafters")
     e.add_argument("job")
     e.add_argument(

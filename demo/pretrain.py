@@ -1,9 +1,11 @@
-"""Pretrain the demo's tiny Qwen3 target on the chat corpus, on the CPU, for a bounded wall-clock time.
+"""Pretrain the demo's tiny Qwen3 target on the chat corpus, on the CPU, for a fixed number of steps.
 
 Plain torch (nanoGPT style): documents rendered with the chat template are concatenated into one token
 stream; a batch is `batch_size` windows that each start at a document boundary; the loss covers the
 assistant tokens only (the prompts are random, the answers are what the target must be sure of).
-The learning-rate schedule runs on elapsed time, so the budget bounds the run whatever the core count.
+The run is a function of (corpus, seed, steps, torch threads) alone: the learning-rate schedule runs on
+steps, the windows come from a seeded RNG, and the caller fixes the thread count (a different count sums
+the matmuls in another order, which changes the weights). Wall time never decides what is trained.
 """
 
 from __future__ import annotations
@@ -77,19 +79,15 @@ def pretrain_target(
     seq_len: int = 384,
     batch_size: int = 8,
     lr: float = 3e-3,
-    time_budget_s: float = 150.0,
-    max_steps: int = 100_000,
+    steps: int = 2000,
     seed: int = 0,
-    threads: int | None = None,  # default: torch's (OMP_NUM_THREADS, else the cores)
     log_every: int = 50,
 ) -> PretrainResult:
-    """Build a random target in `out_dir`, train it for `time_budget_s` seconds (or `max_steps`), save it.
+    """Build a random target in `out_dir`, train it for exactly `steps` optimizer steps, save it.
 
     The directory then holds a standard HF checkpoint plus the tokenizer: loadable by
     `from_pretrained(out_dir, local_files_only=True)` like any downloaded model.
     """
-    if threads:
-        torch.set_num_threads(threads)
     out = build_tiny_target(
         out_dir,
         tokenizer,
@@ -117,13 +115,9 @@ def pretrain_target(
     rng = random.Random(seed)
     t0 = time.perf_counter()
     window_loss, window_n, final_loss, step = 0.0, 0, float("nan"), 0
-    while step < max_steps:
-        elapsed = time.perf_counter() - t0
-        if elapsed >= time_budget_s:
-            break
-        progress = max(elapsed / time_budget_s, step / max_steps)
+    while step < steps:
         for g in opt.param_groups:
-            g["lr"] = _lr_at(progress, lr)
+            g["lr"] = _lr_at(step / steps, lr)
         offs = [rng.choice(starts) for _ in range(batch_size)]
         x = torch.stack([ids[o : o + seq_len] for o in offs])  # [b, L]
         y = torch.stack([ids[o + 1 : o + seq_len + 1] for o in offs])  # [b, L]
@@ -142,7 +136,7 @@ def pretrain_target(
             dt = time.perf_counter() - t0
             print(
                 f"pretrain: step {step} loss {final_loss:.4f} lr {opt.param_groups[0]['lr']:.2e}"
-                f" {step * batch_size * seq_len / dt:.0f} tok/s {dt:.0f}s",
+                f" {step * batch_size * seq_len / dt:.0f} tok/s {dt:.0f}s (of {steps} steps)",
                 file=sys.stderr,
                 flush=True,
             )

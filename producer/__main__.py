@@ -22,6 +22,7 @@ from common.joblock import JobLocked, enter
 from common.launch_plan import producer_name
 from common.profile import ProfileStats
 from common.ring import RingError, SlotRing
+from common.startup import StartupBeat
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_writable
 from common.supervisor import watch_supervisor
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_supervisor()  # launch.sh's death becomes a SIGTERM: a graceful stop, never an orphan holding the job
     tp_group = None  # tensor parallelism (producer/tp.py): the group's command channels
     ring = None
+    stats = None
     try:
         job = load_job(args.job)
         if not 0 <= args.replica < job.target.replicas:
@@ -141,23 +143,31 @@ def main(argv: list[str] | None = None) -> int:
         device = job.target.devices_of(args.replica)[tp.rank]
         if device.startswith("cuda"):  # before anything touches CUDA: bare "cuda" tensors, stats and UUIDs are its
             torch.cuda.set_device(device)
-        if tp.world > 1:
-            tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
-        if tp.rank == 0:
-            ring = ring_before_target(job, args.node_rank, args.replica)
-        target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
-                             device, job.target.attn_implementation, distributed_config(job.target))
-        if job.target.ep_size > 1:
-            log.info("rank %d: %s", tp.rank, ep_shard(target.model, job.target))
-        if tp.rank == 0:
-            dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
-            fingerprint = checked_fingerprint(job, dataset, args.node_rank, args.nnodes)
-            if tp_group is not None:
-                tp_group.started()  # the followers wait for this before their first command
+        interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
+        prof = ProfileStats() if interval > 0 and tp.rank == 0 else None
+        # published from the start, so that loading shows as a phase, not as a silent process
+        stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", name, interval, prof) if prof else None
+        beat = StartupBeat(stats, log, name)
+        with beat.phase("loading", f"target {job.target.path} and the data index"):
+            if tp.world > 1:
+                tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s))
+            if tp.rank == 0:
+                ring = ring_before_target(job, args.node_rank, args.replica)
+            target = load_target(job.target.path, job.target.layer_ids, job.target.num_features, job.target.dtype,
+                                 device, job.target.attn_implementation, distributed_config(job.target))
+            if job.target.ep_size > 1:
+                log.info("rank %d: %s", tp.rank, ep_shard(target.model, job.target))
+            if tp.rank == 0:
+                dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
+                fingerprint = checked_fingerprint(job, dataset, args.node_rank, args.nnodes)
+                if tp_group is not None:
+                    tp_group.started()  # the followers wait for this before their first command
     except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError, RingError) as err:
         log.error("%s", err)
         if ring is not None:
             ring.close()
+        if stats:
+            stats.close()
         return 2
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", tp.rank, tp.world, device)
@@ -166,12 +176,9 @@ def main(argv: list[str] | None = None) -> int:
              target.layers_run, target.num_target_layers, target.layer_ids, target.hidden_size,
              target.feature_width, job.target.dtype, device)
 
-    interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
-    prof = ProfileStats() if interval > 0 else None
     target.prof = prof  # counts the batches that run one forward per sequence
     if tp_group is not None:
         target = LeaderTarget(target, tp_group.control, keepalive_s=job.transport.heartbeat_interval_s)
-    stats = StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", name, interval, prof) if prof else None
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),
                                 [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist(),
@@ -180,11 +187,14 @@ def main(argv: list[str] | None = None) -> int:
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches, job.target.replicas), len(plan),
             ring_name=job.ring_name(args.node_rank, args.replica), ring=ring,
             prof=prof, stats=stats, ledger=ledger, launch_id=lock.launch_id, node=args.node_rank, replica=args.replica,
+            beat=beat,
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)
         if ring is not None:
             ring.close()  # the service closes it on its own failures; closing twice is harmless
+        if stats:
+            stats.close()
         if isinstance(target, LeaderTarget):
             target.stop()
         return 2

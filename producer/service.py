@@ -24,6 +24,7 @@ from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Wel
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.slot_table import SlotTable
+from common.startup import StartupBeat
 from common.supervisor import STOP_SIGNALS, stop_reason
 from producer.delivery import Delivery
 from producer.target import TargetCapture
@@ -77,6 +78,7 @@ class ProducerService:
         launch_id: str = "",
         node: int = 0,
         replica: int = 0,
+        beat: StartupBeat | None = None,
     ):
         """`ledger`: the job log every delivered batch is appended to (common/accounting.py); `launch_id`: the
         launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank;
@@ -89,6 +91,8 @@ class ProducerService:
         self.batches_from = batches_from
         self.prof = prof
         self.stats = stats
+        self.beat = beat
+        self._startup: contextlib.ExitStack | None = None  # the "first batch" phase, until it is delivered
         self.ledger = ledger
         self.counters = ProducerCounters()
         if job.transport_kind == "cpu":
@@ -130,6 +134,9 @@ class ProducerService:
     # ------------------------------------------------------------------------------------ the loop
     def run(self) -> int:
         self._install_signal_handlers()
+        if self.beat:
+            self._startup = contextlib.ExitStack()
+            self._startup.enter_context(self.beat.phase("first batch", "waiting for consumers, then its forward"))
         try:
             if not self._wait_for_groups():
                 return 0 if self._stop_reason else 2  # stopped while waiting is no failure
@@ -147,12 +154,21 @@ class ProducerService:
                 batch = self._batch_at(seq)
                 layout = self._write_slot(slot, batch)
                 self._publish(slot, batch, layout)
+                self._end_startup()
                 if self.stats:
                     self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
             status = self._finish()
             return 1 if self._abandoned else status
         finally:
+            self._end_startup()
             self.close()
+
+    def _end_startup(self) -> None:
+        """Leave the start-up phase (its beat thread stops publishing) before this thread publishes."""
+        if self._startup is not None:
+            self._startup.close()
+            self._startup = None
+            self.beat.running(self.counters.batches)
 
     # ------------------------------------------------------------------------------------ stages
     def _batch_at(self, seq: int) -> PackedBatch:

@@ -1,8 +1,9 @@
-"""`dflash-stats RUN_DIR | --job JOB.toml [--once | --json]`: the live state of a running job.
+"""`dflash-stats RUN_DIR | --job JOB.toml [--once | --json | --plot]`: the live state of a running job.
 
 Attaches to the telemetry process's republish socket (it sends the latest window to a newcomer at
 once, then one per window). Exit status: 0 shown; 1 nothing is publishing (no window within
---timeout, or no live process); 2 no such run directory / job file / telemetry socket.
+--timeout, or no live process); 2 no such run directory / job file / telemetry socket. `--plot` draws
+the run's pictures from its metrics.jsonl instead (telemetry.plot; no telemetry process needed).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import msgpack
 import zmq
 
 from common.config import ConfigError, RunPaths, load_job
+from common.startup import PHASE_NAMES
+from telemetry.aggregate import source_prefix
 from telemetry.service import REPUBLISH_SOCKET
 from telemetry.sinks import WINDOW_TOPIC
 
@@ -30,6 +33,7 @@ from telemetry.sinks import WINDOW_TOPIC
 PROCESS_TEXT = ("source", "role", "name", "host", "state")
 PROCESS_INTS = ("pid", "step", "gaps", "restarts")
 PROCESS_NUMBERS = ("tokens_per_s", "wait_pct", "busy_pct", "age_s")
+PROCESS_METRICS = ("loss", "tau_est", "phase")  # per-source window figures (gauges), read from metrics
 GPU_TEXT = ("uuid", "name")
 GPU_INTS = ("index", "memory_used_bytes", "memory_total_bytes")
 GPU_NUMBERS = ("util_pct", "mem_util_pct", "power_w", "power_limit_w", "temperature_c", "sm_clock_mhz")
@@ -41,7 +45,7 @@ class CliError(Exception):
         self.status = status
 
 
-def resolve(run_dir: str | None, job_file: str | None) -> tuple[RunPaths, float]:
+def resolve(run_dir: str | None, job_file: str | None, need_socket: bool = True) -> tuple[RunPaths, float]:
     """(run paths, window_s) from a job file or a run directory (its job.toml copy, when present)."""
     window_s = 5.0
     if job_file:
@@ -61,7 +65,7 @@ def resolve(run_dir: str | None, job_file: str | None) -> tuple[RunPaths, float]
         raise CliError("dflash-stats: give a RUN_DIR or --job JOB.toml", 2)
     if not paths.root.is_dir():
         raise CliError(f"dflash-stats: run directory {paths.root} does not exist", 2)
-    if not (paths.sockets / REPUBLISH_SOCKET).exists():
+    if need_socket and not (paths.sockets / REPUBLISH_SOCKET).exists():
         raise CliError(
             f"dflash-stats: no telemetry socket at {paths.sockets / REPUBLISH_SOCKET}: is this job's telemetry running?",
             2,
@@ -144,14 +148,29 @@ def view(doc: Any) -> dict[str, Any]:
         "window_s": _number(doc.get("window_s"), "window_s"),
         "telemetry_uptime_s": _number(doc.get("uptime_s"), "uptime_s"),
         "window_age_s": None if sent is None else now - sent,
-        "processes": [_record(s, "sources[]", PROCESS_TEXT, PROCESS_INTS, PROCESS_NUMBERS)
-                      for s in _table(doc.get("sources"), "sources", list)],
+        "processes": [_process(s, metrics) for s in _table(doc.get("sources"), "sources", list)],
         "gpus": [_record(g, "gpus[]", GPU_TEXT, GPU_INTS, GPU_NUMBERS) for g in _table(doc.get("gpus"), "gpus", list)],
         "ring": _record(doc.get("ring"), "ring", (), ("slots_total",), ("slots_in_use",)),
         "pipeline": {key: _number(metrics.get(f"pipeline/{key}"), f"metrics.pipeline/{key}")
                      for key in ("tokens_per_s", "producers_reporting", "producer_balance")},
         "health": _scalars(doc.get("health"), "health"),
     }
+
+
+def _process(v: Any, metrics: dict) -> dict[str, Any]:
+    """A source's summary plus its loss and τ of this window (None for a producer, or no step this window)."""
+    out = _record(v, "sources[]", PROCESS_TEXT, PROCESS_INTS, PROCESS_NUMBERS)
+    prefix = source_prefix(out["role"], out["name"]) if out["role"] and out["name"] else None
+    for key in PROCESS_METRICS:
+        out[key] = None if prefix is None else _number(metrics.get(f"{prefix}/{key}"), f"metrics.{prefix}/{key}")
+    code = None if out["phase"] is None else round(out["phase"])  # a window's mean, if it spans a change
+    out["phase"] = PHASE_NAMES.get(code, "running") if code is not None else None
+    return out
+
+
+def shown_state(p: dict[str, Any]) -> str | None:
+    """A live process in a start-up phase (loading, compiling, first batch) shows the phase instead."""
+    return p["phase"] if p["state"] == "live" and p["phase"] not in (None, "running") else p["state"]
 
 
 def fmt(v: Any, spec: str = ".1f") -> str:
@@ -163,8 +182,13 @@ def fmt(v: Any, spec: str = ".1f") -> str:
     return str(v)
 
 
+# header: the widest cell shown whole (process names take what is left of 80 columns, at most 24)
+PROCESS_COLUMNS = {"state": 11, "step": 9, "tok/s": 8, "wait%": 5, "busy%": 5, "loss": 7, "τ": 5, "age s": 6}
+
+
 def render(state: dict[str, Any]):
     """rich renderable: processes, GPUs, ring. Text from the window is escaped (never read as rich markup)."""
+    from rich import box
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
@@ -173,18 +197,23 @@ def render(state: dict[str, Any]):
         return escape(fmt(v, spec))
 
     procs = Table(
-        title=f"dflash job {cell(state['job'])} — window {cell(state['window_s'])} s, age {cell(state['window_age_s'])} s"
+        title=f"dflash job {cell(state['job'])} — window {cell(state['window_s'])} s, age {cell(state['window_age_s'])} s",
+        box=box.SIMPLE_HEAD,  # no side borders, one space between columns: whole headers in 80 columns
+        pad_edge=False,
+        collapse_padding=True,
     )
-    for col in ("role", "name", "state", "step", "tokens/s", "wait %", "busy %", "age s", "gaps"):
-        procs.add_column(col, justify="left" if col in ("role", "name", "state") else "right")
+    procs.add_column("process", overflow="ellipsis", max_width=24)  # the one column that shrinks
+    for col, widest in PROCESS_COLUMNS.items():  # an absurd value (a rogue publisher's) is cut, not the table
+        procs.add_column(col, justify="left" if col == "state" else "right", no_wrap=True, min_width=len(col),
+                         max_width=widest, overflow="ellipsis")  # fmt: skip
     for p in state["processes"]:
         style = None if p["state"] == "live" else "red"
-        procs.add_row(cell(p["role"]), cell(p["name"]), cell(p["state"]), cell(p["step"], "d"),
-                      cell(p["tokens_per_s"], ".0f"), cell(p["wait_pct"]), cell(p["busy_pct"]), cell(p["age_s"]),
-                      cell(p["gaps"], "d"), style=style)  # fmt: skip
+        procs.add_row(cell(p["name"]), cell(shown_state(p)), cell(p["step"], "d"), cell(p["tokens_per_s"], ".0f"),
+                      cell(p["wait_pct"], ".0f"), cell(p["busy_pct"], ".0f"), cell(p["loss"], ".3f"),
+                      cell(p["tau_est"], ".2f"), cell(p["age_s"]), style=style)  # fmt: skip
     parts: list[Any] = [procs]
     if state["gpus"]:
-        gpus = Table(title="GPUs")
+        gpus = Table(title="GPUs", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("gpu", "name", "util %", "mem busy %", "memory GiB", "power W", "temp C"):
             gpus.add_column(col)
         for g in state["gpus"]:
@@ -219,7 +248,8 @@ def _producers(pipeline: dict[str, Any]) -> str:
 def plain_line(state: dict[str, Any]) -> str:
     """One line per window for a pipe or a log file (live mode when stdout is not a terminal)."""
     procs = " ".join(
-        f"{fmt(p['name'])}={fmt(p['state'])}/step {fmt(p['step'], 'd')}/{fmt(p['tokens_per_s'], '.0f')} tok/s"
+        f"{fmt(p['name'])}={fmt(shown_state(p))}/step {fmt(p['step'], 'd')}/{fmt(p['tokens_per_s'], '.0f')} tok/s"
+        + (f"/loss {fmt(p['loss'], '.3f')}/τ {fmt(p['tau_est'], '.2f')}" if p["loss"] is not None else "")
         for p in state["processes"]
     )
     return f"{state['query_time']} job {fmt(state['job'])}: {procs or 'no processes'} | {summary(state)}"
@@ -265,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="print one table and exit")
     mode.add_argument("--json", action="store_true", help="print one JSON document and exit")
+    mode.add_argument("--plot", action="store_true",
+                      help="write RUN_DIR/plots/*.png (loss, τ, tokens/s; acceptance histogram) and exit")  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=None, help="seconds to wait for data (default 2× window)"
     )
@@ -274,6 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         # a script, which is how CI and wrappers start it): Python then never installs its own handler.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.plot:
+        from telemetry.plot import main as plot
+
+        try:
+            paths, _ = resolve(args.run_dir, args.job, need_socket=False)
+        except CliError as err:
+            print(err, file=sys.stderr)
+            return err.status
+        return plot([str(paths.root)])
     try:
         paths, window_s = resolve(args.run_dir, args.job)
     except CliError as err:

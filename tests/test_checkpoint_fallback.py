@@ -17,6 +17,7 @@ from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, t
 
 from common.accounting import DeliveryLedger, TrainLedger, ledger_id_of
 from common.accounting_check import check_run
+from common.checkpoint_pointer import write_pointer
 from consumer.checkpoint import (
     MANIFEST,
     STATE_FILE,
@@ -145,7 +146,7 @@ def test_missing_manifest_falls_back(setup, tmp_path, caplog):
 
 def test_latest_naming_a_missing_directory_falls_back(setup, tmp_path):
     _, newer, _ = _two_checkpoints(setup, tmp_path)
-    (tmp_path / "latest").write_text("step_99\n")
+    write_pointer(tmp_path, "step_99")
     assert load_latest(tmp_path).path == newer
 
 
@@ -163,7 +164,7 @@ def test_resume_sets_broken_checkpoints_aside_and_repoints_latest(setup, tmp_pat
     older, newer, _ = _two_checkpoints(setup, tmp_path)
     (newer / MANIFEST).unlink()
     assert resume_checkpoint(tmp_path).path == older
-    assert (tmp_path / "latest").read_text().strip() == "step_1"
+    assert os.readlink(tmp_path / "latest") == "step_1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt-step_2", "latest", "step_1"]
     assert load_latest(tmp_path).skipped == ()  # nothing left to fall back past
 

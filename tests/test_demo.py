@@ -1,5 +1,6 @@
 """Demo assets: a deterministic learnable corpus, a cached build that loads like any model, a valid job."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -88,7 +89,7 @@ def test_quick_demo_builds_loadable_assets_and_a_valid_job(quick_demo):
     }
     ready = json.loads((run_dir / "assets" / demo.READY).read_text())
     assert 0.0 <= ready["heldout_greedy"]["token_accuracy"] <= 1.0
-    assert ready["pretrain"]["steps"] == demo.QUICK.pretrain_max_steps
+    assert ready["pretrain"]["steps"] == demo.QUICK.pretrain_steps
     assert job.data.length_group_window == demo.LENGTH_GROUP_WINDOW
     assert [d.total_steps for d in job.drafters] == [
         ready["train_batches"]
@@ -146,3 +147,37 @@ def test_evaluate_runs_every_drafter_of_the_job(quick_demo, capsys):
     assert set(reports) == {"d_b8", "d_b16"}
     assert all(r["lossless"] and r["prompts"] == 2 for r in reports.values())
     assert json.loads((run_dir / "eval.json").read_text()) == reports
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != demo.READY}  # fmt: skip
+
+
+def _figures(ready: dict) -> dict:
+    """READY without the wall times: what must be the same on any machine."""
+    drop = {"seconds", "build_seconds", "accuracy_seconds"}
+    return json.loads(json.dumps(ready), object_hook=lambda d: {k: v for k, v in d.items() if k not in drop})
+
+
+def test_same_seed_same_assets_byte_for_byte(quick_demo, tmp_path, monkeypatch):
+    """A fixed step count and a fixed thread count: a second build on a machine 1000× slower (its clock runs
+    1000 s per step) writes the same weights, tokenizer and data, and the same figures."""
+    from demo import pretrain
+
+    run_dir, _ = quick_demo
+    clock = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(pretrain.time, "perf_counter", lambda: float(next(clock)))
+    again = demo.build_assets(tmp_path / "assets", demo.QUICK, seed=0)
+    monkeypatch.undo()
+    first = json.loads((run_dir / "assets" / demo.READY).read_text())
+    assert again["torch_threads"] == first["torch_threads"] == demo.BUILD_THREADS == 1
+    assert _figures(again) == _figures(first)
+    digests = _digests(tmp_path / "assets")
+    assert {"target/model.safetensors", "tokenizer/tokenizer.json", "train.jsonl"} <= set(digests)
+    assert digests == _digests(run_dir / "assets")
+    other = demo.build_assets(tmp_path / "other", dataclasses.replace(demo.QUICK, pretrain_steps=9), seed=0)
+    assert other["pretrain"]["steps"] == 9
+    assert _digests(tmp_path / "other")["target/model.safetensors"] != digests["target/model.safetensors"]

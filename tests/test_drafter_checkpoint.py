@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import transformers
 from safetensors import safe_open
 from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
 
+from common.checkpoint_pointer import write_pointer
 from consumer import checkpoint
 from consumer.checkpoint import export_config, load_latest, save_checkpoint, write_export
 from consumer.target_parts import load_target_parts
@@ -32,7 +34,7 @@ def trained(tmp_path_factory):
 def test_export_keys_shapes_and_config(trained, tmp_path):
     trainer, _ = trained
     ckpt = save_checkpoint(tmp_path, trainer)
-    assert ckpt == tmp_path / "step_2" and (tmp_path / "latest").read_text().strip() == "step_2"
+    assert ckpt == tmp_path / "step_2" and os.readlink(tmp_path / "latest") == "step_2"
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "config.json",
         "dflash.py",
@@ -148,7 +150,7 @@ def test_load_latest(trained, tmp_path):
     ck = load_latest(tmp_path)  # torch.load(weights_only=True) inside
     assert ck.step == trainer.step and ck.state["last_seq"] == trainer.last_seq
     assert all(torch.equal(ck.state["model"][k], v) for k, v in trainer.model.state_dict().items())
-    (tmp_path / "latest").write_text("step_99\n")  # names nothing: the newest intact one is used instead
+    write_pointer(tmp_path, "step_99")  # names nothing: the newest intact one is used instead
     assert load_latest(tmp_path).step == trainer.step
 
 
