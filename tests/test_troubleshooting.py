@@ -152,7 +152,11 @@ PROVOKED = {
     "nothing published on": nothing_published,
     "no process is publishing": no_process_publishing,
 }
-IN_SOURCE = ("a running launch of this job", "the producer was lost", "optimizer steps in a row")
+IN_SOURCE = ("a running launch of this job", "the producer was lost", "optimizer steps in a row",
+             # provoked through real processes by their own tests (test_launch_supervision, test_telemetry_flood,
+             # test_plan_identity_e2e): here only checked against the source
+             "cannot write the run folder", "that held", "telemetry keeps at most", "changed since its last start",
+             "was trained with")
 
 
 def kind(message: str) -> str:
