@@ -215,13 +215,14 @@ def stage_consumer(workdir: Path) -> dict:
                         intermediate_size=t["intermediate_size"], rms_norm_eps=1e-6, vocab_size=t["vocab_size"],
                         num_hidden_layers=t["num_layers"], max_position_embeddings=40960, tie_word_embeddings=False,
                         embed_tokens=embed, lm_head=torch.randn_like(embed) * 0.02)
-    trainer = Trainer(job.drafters[0], parts, plan.LAYER_IDS, "cuda:0")
+    # the job's tokens_per_batch sizes the anchor budget and flex's one compiled shape, as in the consumer
+    trainer = Trainer(job.drafters[0], parts, plan.LAYER_IDS, "cuda:0", tokens_per_batch=job.data.tokens_per_batch)
     trainer.warmup()
     features = torch.randn(plan.TOKENS_PER_BATCH, len(plan.LAYER_IDS) * t["hidden_size"], dtype=torch.bfloat16,
                            device="cuda")  # the copy-out buffer; each batch reads its first T rows
 
     def run(b):
-        trainer.train_batch(features[: b.num_tokens], b.input_ids.cuda(), b.loss_mask.cuda(), b.cu_seqlens, b.seq)
+        trainer.train_batch(features[: b.num_tokens], b.input_ids.cuda(), b.loss_mask, b.cu_seqlens, b.seq)  # masks: host
 
     warm, timed = batches[: plan.WARMUP_BATCHES], batches[plan.WARMUP_BATCHES:]
     c0 = dynamo_counts()
@@ -332,12 +333,12 @@ def stage_export(workdir: Path) -> dict:
 
     parts = load_target_parts(workdir / "assets" / "target")
     cfg = DrafterConfig(name="export", num_layers=1, block_size=16, mask_token_id=0, devices=["cuda:0"])
-    trainer = Trainer(cfg, parts, plan.PIPELINE_LAYER_IDS, "cuda:0")
     T = 4096
+    trainer = Trainer(cfg, parts, plan.PIPELINE_LAYER_IDS, "cuda:0", tokens_per_batch=T)
     ids = torch.randint(0, 2000, (T,), device="cuda")
     for seq in range(2):
         hidden = torch.randn(T, len(plan.PIPELINE_LAYER_IDS) * parts.hidden_size, dtype=torch.bfloat16, device="cuda")
-        trainer.train_batch(hidden, ids, torch.ones(T, dtype=torch.uint8, device="cuda"),
+        trainer.train_batch(hidden, ids, torch.ones(T, dtype=torch.uint8),  # loss_mask on the host
                             torch.tensor([0, T // 2, T], dtype=torch.int32), seq)
     out = Path(tempfile.mkdtemp(prefix="export-", dir=workdir))
     write_export(out, trainer.model.state_dict(), export_config(

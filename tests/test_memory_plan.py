@@ -88,13 +88,22 @@ def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir):
     mask = torch.ones(T, dtype=torch.uint8)
     cu = torch.tensor([0, T // nseq, T], dtype=torch.int32)
 
+    trained = {}
+
     def train_two_steps():
-        trainer = Trainer(cfg, parts, layer_ids, "cpu")
+        trainer = Trainer(cfg, parts, layer_ids, "cpu", tokens_per_batch=T)
         for seq in range(2):
             trainer.train_batch(torch.randn(T, hidden_width), ids, mask, cu, seq)
+        trained["trainer"] = trainer
 
     frozen = parts.embed_tokens.untyped_storage().nbytes() + parts.lm_head.untyped_storage().nbytes()
     measured = measured_peak(train_two_steps) + frozen  # the parts were loaded before the window
+    # the window held two full steps: both updates taken, every weight with its Adam moments, the weights moved
+    trainer = trained["trainer"]
+    assert trainer.step == 2 and int(trainer._nonfinite[0]) == 0
+    assert all(set(trainer.optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in trainer.params)
+    untrained = Trainer(cfg, parts, layer_ids, "cpu", tokens_per_batch=T).params  # the same seeded init
+    assert any(not torch.equal(p, p0) for p, p0 in zip(trainer.params, untrained, strict=True))
     arch = DrafterArch.from_target(parts, cfg, len(layer_ids))
     assert anchor_budget(T, cfg.anchors_per_batch, per_seq) >= nseq * per_seq  # the budget leaves this batch whole
     step = step_peak(arch, cfg, parts.vocab_size, parts.tie_word_embeddings, T, T // nseq, "float32", cuda=False,
@@ -181,7 +190,7 @@ def test_dry_run_prints_the_plan_per_device_and_warns_when_over(tmp_path, target
     """launch.sh --dry-run → common.launch_plan --device-map --memory → the two roles' memory-plan commands."""
     job = _job_file(tmp_path, target_dir)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}
-    proc = subprocess.run([str(ROOT / "launch.sh"), str(job), "--dry-run", "--device-memory", "0.6"], cwd=ROOT,
+    proc = subprocess.run([str(ROOT / "launch.sh"), str(job), "--dry-run", "--device-memory", "0.8"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -190,7 +199,8 @@ def test_dry_run_prints_the_plan_per_device_and_warns_when_over(tmp_path, target
     assert [ln.split(":")[0] + ":" + ln.split(":")[1] for ln in table if ln.startswith("  cuda:")] == [
         "  cuda:0", "  cuda:1"]
     assert any(ln.strip().startswith("producer ") and "ring 0.0 GiB" in ln for ln in table)
-    # cuda:0 holds the producer and the consumer's CUDA context: two contexts are over 0.6 GiB
+    # cuda:0 holds the producer and the consumer's CUDA context: two contexts are over 0.8 GiB; cuda:1 one
+    # context and the drafter's step (510 anchors: the default anchors_per_seq at 512 tokens), ~0.62 GiB
     assert any(ln.startswith("WARNING: cuda:0 is planned at 1.") for ln in table), table
     assert not any(ln.startswith("WARNING: cuda:1") for ln in table)
 
