@@ -128,15 +128,18 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cp
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
-ANCHORS_PER_BATCH_TOKENS = 4  # default budget: one anchor per 4 tokens of a full batch
+# default budget: one anchor per 8 tokens of a full batch (Q = 2 · tokens_per_batch at block 16). One per 4
+# (SpecForge's density) plans the Qwen3.6-27B example's b16 step at 139 of an H200's 139.7 GiB (docs/gpu.md)
+ANCHORS_PER_BATCH_TOKENS = 8
 
 
 def anchor_budget(tokens_per_batch: int, anchors_per_batch: int | None, anchors_per_seq: int) -> int:
     """The most anchors one batch runs through the drafter (its query rows: that × block_size).
 
-    `anchors_per_batch` when set; else tokens_per_batch // 4, so Q = 4 · tokens_per_batch · B/16 at most:
-    SpecForge's density (512 anchors on a 2,048-token sequence) over a whole batch, where a constant per
-    sequence made Q = nseq · 512 · B (2.9M rows on a batch of 355 short chats). Never below one sequence's
+    `anchors_per_batch` when set; else tokens_per_batch // 8, so Q = 2 · tokens_per_batch · B/16 at most
+    (half SpecForge's density of 512 anchors on a 2,048-token sequence, so that the 27B example's drafter
+    step fits its GPU), where a constant per sequence made Q = nseq · 512 · B (2.9M rows on a batch of 355
+    short chats). Never below one sequence's
     `anchors_per_seq`, so a batch of one long sequence keeps all its anchors."""
     if anchors_per_batch is not None:
         return anchors_per_batch

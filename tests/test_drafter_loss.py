@@ -191,10 +191,10 @@ def test_an_optimizer_step_normalises_by_the_weight_sum_of_all_its_batches(tmp_p
         torch.testing.assert_close(seen[n], want[n], rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("anchors_per_batch, want", [(None, 512 // 4), (40, 40)])
+@pytest.mark.parametrize("anchors_per_batch, want", [(None, 512 // 8), (40, 40)])
 def test_the_trainer_runs_at_most_its_anchor_budget(tmp_path, anchors_per_batch, want):
     """20 sequences of 12 tokens (9 candidates each, 180 in all), 64 anchors per sequence asked: the old
-    trainer ran 20 × 64 = 1,280 anchors. Now: the budget, from data.tokens_per_batch (512 // 4) or the
+    trainer ran 20 × 64 = 1,280 anchors. Now: the budget, from data.tokens_per_batch (512 // 8) or the
     job key, and the step still learns from them (a finite loss with weight)."""
     from test_drafter_common import (
         LAYER_IDS,

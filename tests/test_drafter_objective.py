@@ -169,7 +169,7 @@ def test_anchor_sampling_rules_and_resampling(partial_blocks):
 
 
 def test_anchor_budget():
-    assert anchor_budget(16384, None, 512) == 4096  # one anchor per 4 tokens of a full batch
+    assert anchor_budget(16384, None, 512) == 2048  # one anchor per 8 tokens of a full batch
     assert anchor_budget(1024, None, 512) == 512  # never below one sequence's anchors
     assert anchor_budget(16384, 1000, 512) == 1000  # the job key decides when set
 

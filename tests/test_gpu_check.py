@@ -24,7 +24,7 @@ def test_without_cuda_it_prints_the_plan_with_budgets_exits_0_and_writes_nothing
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device is visible" in proc.stdout
-    assert "  pipeline   110 s  120.8 GiB  telemetry (NVML) + producer + 2 consumers" in proc.stdout
+    assert "  pipeline   110 s  103.5 GiB  telemetry (NVML) + producer + 2 consumers" in proc.stdout
     for stage, (secs, _, _) in gpu_check.PLAN.items():
         assert f"  {stage:9s} {secs:4d} s " in proc.stdout
     assert "  total      480 s" in proc.stdout
@@ -150,7 +150,7 @@ def test_the_job_files_it_writes_are_valid_jobs(tmp_path):
     job = load_job(gpu_check.write_job(tmp_path / "pipe" / "job.toml", tmp_path / "pipe", assets, "chats.jsonl",
                                        gpu_check.PIPELINE_EPOCHS, gpu_check.PIPELINE_TOKENS_PER_BATCH))
     assert job.target.layer_ids == [1, 2, 3, 4, 5] and job.target.dtype == "bfloat16"
-    assert job.transport.kind == "cuda" and job.data.tokens_per_batch == 8192
+    assert job.transport.kind == "cuda" and job.data.tokens_per_batch == 12288
     assert [(d.num_layers, d.block_size, d.devices) for d in job.drafters] == [(5, 16, ["cuda:0"])] * 2
 
 

@@ -6,6 +6,7 @@ profiler's memory events, in order: their running sum's maximum is the peak). Th
 planner's fake-tensor replay at the same shapes. They must agree within 20 %.
 """
 
+import gc
 import math
 import os
 import subprocess
@@ -41,9 +42,18 @@ LAYER_IDS = [0, 1, 2]
 
 
 def measured_peak(run) -> int:
-    """Peak bytes allocated above the start while `run()` executes, from the CPU allocator's events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
+    """Peak bytes allocated above the start while `run()` executes, from the CPU allocator's events.
+
+    Garbage of earlier tests is collected first and the collector is off in the window: a free of memory
+    allocated before it counts negative, so a collection there lowered the peak by whatever it freed (48 MB
+    instead of 72 when this ran after the drafter tests)."""
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+    finally:
+        gc.enable()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, n in events:
