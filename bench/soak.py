@@ -61,6 +61,7 @@ from bench.soak_faults import (
     hostile_control,
     hostile_telemetry,
     mount_tmpfs,
+    stats_flood,
     unfill,
     unmount,
 )
@@ -79,6 +80,7 @@ CORRUPT_DRAFTER = "d0"  # not the tmpfs one
 STARTUP_EXIT_S = 15.0  # a SIGTERM during start-up must end the process within this (it waited 60 s before)
 HOSTILE_HELLOS = 4  # in bench.soak_faults.control_garbage: unknown drafter, replica 2**64-1, node 5, another launch
 SECOND_LAUNCH_EXIT = 75  # launch.sh's status for "the job is already running"
+PLAN_REFUSED = "changed since its last start"  # producer/fingerprint.py's refusal
 LAUNCH_ORPHAN_S = 60.0  # the processes of a SIGKILLed launch.sh must all have stopped within this
 FLOOD_S = 3.0
 
@@ -311,16 +313,6 @@ class Chaos:
         return max(delivered - t0, *back)
 
 
-PLAN_REFUSED = "changed since its last start"  # producer/fingerprint.py's refusal
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write `path` whole and atomically (a producer starting meanwhile reads the old or the new file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
     def launch_kill(self) -> float:
         codes = self.sup.pause()
         if any(codes.values()):
@@ -397,6 +389,13 @@ def replace_file(path: Path, data: bytes) -> None:
         self.notes["flood_longest_window_bytes"] = max(self.notes.get("flood_longest_window_bytes", 0),
                                                        max(d["_bytes"] for d in windows))
         return max(took, 0.0)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `path` whole and atomically (a producer starting meanwhile reads the old or the new file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _running(pid: int) -> bool:

@@ -1,4 +1,5 @@
-"""The fault-injection soak, short: every fault kind at least once, then nothing lost, repeated or leaked.
+"""The fault-injection soak, short: every fault kind but launch_kill (tests/test_launch_signals.py) at least once,
+then nothing lost, repeated or leaked.
 
 Runs bench.soak in its own process (it starts and kills a whole job). About 60 s of chaos; with start-up,
 recoveries (a producer restart, consumer restarts, a refused second launch, ...) and the audit it took
@@ -21,7 +22,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_short_soak_with_every_fault_kind_loses_repeats_and_leaks_nothing():
-    kinds = KINDS if os.geteuid() == 0 else tuple(k for k in KINDS if k != "checkpoint_enospc")
+    # launch_kill hands the job to launch.sh and starts it twice (about a minute idle): CI runs that fault through
+    # real processes in tests/test_launch_signals.py instead; `python -m bench.soak` runs every kind
+    skip = {"launch_kill"} | (set() if os.geteuid() == 0 else {"checkpoint_enospc"})
+    kinds = tuple(k for k in KINDS if k not in skip)
     done = subprocess.run([sys.executable, "-m", "bench.soak", "--duration", "60", "--seed", "3", "--json",
                            "--kinds", ",".join(kinds)], cwd=ROOT, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
