@@ -42,7 +42,7 @@ class StartupBeat:
             yield
         finally:
             done.set()
-            thread.join()
+            thread.join(timeout=30.0)  # the beat wakes on `done` at once; publishing never blocks
             self.log.info("%s: %s done in %.1f s", self.who, name, time.monotonic() - t0)
 
     def running(self, step: int | None = None) -> None:
