@@ -82,9 +82,10 @@ def dataset_files(spec: str, split: str, subset: str | None, revision: str | Non
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     root = snapshot(spec, revision, key="data.path", repo_type="dataset")
-    patterns = _card_patterns(root, subset, spec) or get_data_patterns(str(root))
-    if subset is not None and not _card_patterns(root, subset, spec):
+    patterns = _card_patterns(root, subset, spec)
+    if patterns is None and subset is not None:
         raise HubError(f"data.subset = {subset!r}: the dataset card of {spec!r} declares no configs")
+    patterns = patterns or get_data_patterns(str(root))
     files = DataFilesDict.from_patterns(patterns, str(root))
     if split not in files:
         raise HubError(f"data.split = {split!r}: {spec!r} has the splits {sorted(files)}")

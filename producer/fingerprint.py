@@ -92,7 +92,7 @@ def plan_fingerprint(*, data_path: str | Path, data_format: str, tokenizer_dir: 
     return {
         "version": FINGERPRINT_VERSION,
         # named in messages; a moved file with equal content is equal
-        "data_path": str(Path(data_path).resolve()) if len(files) == 1 and not data_files else str(data_path),
+        "data_path": str(Path(data_path).resolve()) if Path(data_path).exists() else str(data_path),  # or a hub id
         "data_bytes": sum(f.stat().st_size for f in files),
         "data_xxh3_128": digests[0] if len(digests) == 1 else xxhash.xxh3_128("".join(digests).encode()).hexdigest(),
         "format": data_format,
