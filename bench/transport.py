@@ -48,8 +48,8 @@ import zmq
 
 from common.packed_batch import SEQ_TAG, PackedBatch, slot_items
 from common.ring import SlotRing, layout_from_wire, layout_to_wire, plan_layout
-from common.slot_table import SlotTable
 from consumer.copy_out import CopyOut
+from producer.slot_table import SlotTable
 
 SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
 REPS = {"1MiB": 100, "16MiB": 60, "64MiB": 40, "256MiB": 15}

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from common import tensor_tree
 from common.profile import ProfileStats
+from consumer import tensor_tree
 
 log = logging.getLogger("consumer")
 
@@ -232,7 +232,7 @@ class ReplicaGroup:
         """Rank 0 runs `load()` (its latest checkpoint: (where, trainer state) or None) and sends it to all.
 
         Only rank 0 reads the disk: nodes need no shared filesystem. The state travels as msgpack bytes
-        (common/tensor_tree.py: no pickle crosses the network).
+        (consumer/tensor_tree.py: no pickle crosses the network).
         """
         if self.world_size == 1:
             return load()

@@ -23,10 +23,10 @@ from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
-from common.slot_table import SlotTable
 from common.startup import StartupBeat
 from common.supervisor import STOP_SIGNALS, stop_reason
 from producer.delivery import Delivery
+from producer.slot_table import SlotTable
 from producer.target import TargetCapture
 from producer.tp import LeaderTarget
 

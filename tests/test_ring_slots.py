@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.slot_table import SlotTable
+from producer.slot_table import SlotTable
 
 
 def test_slot_cycles_free_writing_published_free():

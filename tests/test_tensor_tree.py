@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from common import tensor_tree
+from consumer import tensor_tree
 
 
 def _adam_state() -> dict:
