@@ -81,8 +81,9 @@ def planned_memory() -> dict[str, float]:
 
     from transformers import Qwen3Config
 
-    from common.config import DrafterConfig, required_slot_bytes
+    from common.config import DrafterConfig
     from common.memory_plan import CUDA_CONTEXT_BYTES, GIB
+    from common.packed_batch import required_slot_bytes
     from consumer.memory_plan import step_peak
     from consumer.model import DrafterArch
     from consumer.target_parts import TargetParts

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import zmq
 
-from common.config import RunPaths
+from common.run_paths import RunPaths
 from common.stats import StatsDecodeError, StatsPayload, decode_stats, ingest_endpoint
 
 ROOT = Path(__file__).resolve().parent.parent

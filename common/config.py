@@ -1,14 +1,14 @@
-"""The job file: one TOML document that every process of a job reads.
+"""The job file: one TOML document that every process of a job reads, its schema and its loading.
 
 `load_job(path)` turns it into a tree of frozen pydantic models. Every error names the
-key (dotted path) and the reason, so a bad job fails at start, not halfway through.
+key (dotted path) and the reason, so a bad job fails at start, not halfway through. The run folder's layout
+is common/run_paths.py; the checks against the target's config.json on disk are common/target_probe.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,7 +24,8 @@ from pydantic import (
 )
 
 from common import hub
-from common.packed_batch import required_slot_bytes  # the slot sizing lives with the batch
+from common.run_paths import RunPaths
+from common.target_probe import target_problem
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -313,59 +314,6 @@ class JobConfig(_Section):
         return f"{self.job.name}-{folder}-n{node}" + (f"p{replica}" if replica else "")
 
 
-class RunPaths:
-    """Where a job keeps its files: one place that knows the run directory's layout."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-
-    @property
-    def sockets(self) -> Path:
-        return self.root / "sockets"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def telemetry(self) -> Path:
-        return self.root / "telemetry"
-
-    @property
-    def metrics_jsonl(self) -> Path:
-        return self.telemetry / "metrics.jsonl"
-
-    @property
-    def wandb(self) -> Path:
-        return self.root / "wandb"
-
-    @property
-    def job_copy(self) -> Path:
-        return self.root / "job.toml"
-
-    def checkpoints(self, drafter: str) -> Path:
-        return self.root / "checkpoints" / drafter
-
-    @staticmethod
-    def control_socket(producer: int = 0) -> str:
-        """The control socket's file name in sockets/ of target replica `producer` (its producer)."""
-        return "control.sock" if producer == 0 else f"control-p{producer}.sock"
-
-    def control_endpoint(self, producer: int = 0) -> Path:
-        """Where target replica `producer`'s producer writes the endpoint it listens on."""
-        return self.sockets / ("control.endpoint" if producer == 0 else f"control-p{producer}.endpoint")
-
-    def ipc(self, name: str) -> str:
-        return f"ipc://{(self.sockets / name).resolve()}"
-
-    def make(self) -> None:
-        """Create the layout; sockets/ is private to the job's user (0700)."""
-        for d in (self.root, self.logs, self.telemetry, self.wandb):
-            d.mkdir(parents=True, exist_ok=True)
-        self.sockets.mkdir(parents=True, exist_ok=True)
-        self.sockets.chmod(0o700)
-
-
 def is_loopback(host: str) -> bool:
     """A host that only this machine can reach: 127.0.0.0/8, ::1 or "localhost" (a name or "*" is not)."""
     if host == "localhost":
@@ -402,91 +350,10 @@ def parse_job(doc: dict, source: str = "<job>") -> JobConfig:
             f"{source}: job.run_dir: socket paths under it would be {ipc_len} characters, over the"
             f" {IPC_PATH_MAX}-character limit of ipc:// endpoints; choose a shorter run_dir"
         )
-    _check_slot_capacity(job, source)
-    _check_tensor_parallel(job, source)
-    _check_expert_parallel(job, source)
+    problem = target_problem(job)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
     return job
-
-
-def _check_tensor_parallel(job: JobConfig, source: str) -> None:
-    """transformers' TP plans split attention by heads (and KV heads) and MLPs by columns (a MoE target's
-    experts and shared expert too, unless expert parallelism holds the experts whole): tp_size must divide
-    them. Checked when the target's config is on disk (a multimodal wrapper's numbers are in text_config)."""
-    tp = job.target.tp_size
-    cfg_path = Path(job.target.path) / "config.json"
-    if tp == 1 or not cfg_path.is_file():
-        return
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (ValueError, OSError):
-        return  # the producer names a broken config.json when it loads the target
-    text = cfg.get("text_config") or cfg
-    keys = ["num_attention_heads", "num_key_value_heads", "intermediate_size", "shared_expert_intermediate_size"]
-    if job.target.ep_size == 1:  # without EP, TP slices every expert's MLP too; with EP each rank holds whole ones
-        keys.append("moe_intermediate_size")
-    for key in keys:
-        value = text.get(key)
-        if isinstance(value, int) and value % tp:
-            raise ConfigError(f"{source}: target.tp_size: tp_size = {tp} does not divide the target's {key}"
-                              f" ({value}, {cfg_path}): tensor parallelism splits it evenly across the ranks")
-
-
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _check_expert_parallel(job: JobConfig, source: str) -> None:
-    """ep_size > 1 needs a MoE target whose transformers config has an expert-parallel plan
-    (`base_model_ep_plan`: qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3, glm4_moe, ...) and an expert count that
-    ep_size divides: each rank holds num_experts / ep_size whole experts. Checked when the target's config is on
-    disk (transformers is imported only then)."""
-    ep = job.target.ep_size
-    cfg_path = Path(job.target.path) / "config.json"
-    if ep == 1 or not cfg_path.is_file():
-        return
-    from transformers import AutoConfig
-
-    try:
-        text = AutoConfig.from_pretrained(job.target.path, local_files_only=True).get_text_config()
-    except (OSError, ValueError, KeyError):
-        return  # the producer names a config.json transformers cannot read when it loads the target
-    where = f"{type(text).__name__}, {cfg_path}"
-    if not getattr(text, "base_model_ep_plan", None):
-        raise ConfigError(f"{source}: target.ep_size: ep_size = {ep} but the target ({where}) has no expert-parallel"
-                          " plan in transformers (base_model_ep_plan): expert parallelism needs a MoE target such as"
-                          " qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3 or glm4_moe; set ep_size = 1")
-    experts = next((v for k in EXPERT_COUNT_KEYS if isinstance(v := getattr(text, k, None), int)), None)
-    if experts is not None and experts % ep:
-        raise ConfigError(f"{source}: target.ep_size: ep_size = {ep} does not divide the target's {experts} experts"
-                          f" ({where}): each rank holds an equal share of whole experts")
-
-
-def _check_slot_capacity(job: JobConfig, source: str) -> None:
-    """A fixed slot_bytes must hold the largest batch; known only when the target's config is on disk."""
-    if job.transport.slot_bytes == 0:
-        return
-    width = target_feature_width(job)
-    if width is None:
-        return
-    need = required_slot_bytes(job.data.tokens_per_batch, width, job.target.dtype)
-    if job.transport.slot_bytes < need:
-        raise ConfigError(
-            f"{source}: transport.slot_bytes: {job.transport.slot_bytes} bytes is smaller than the largest"
-            f" batch ({need} bytes for data.tokens_per_batch={job.data.tokens_per_batch} tokens ×"
-            f" {width} features in {job.target.dtype}); raise it or set 0 to size it automatically"
-        )
-
-
-def target_feature_width(job: JobConfig) -> int | None:
-    """n·H, read from the target's config.json when it exists."""
-    cfg_path = Path(job.target.path) / "config.json"
-    if not cfg_path.is_file():
-        return None
-    try:
-        hidden = int(json.loads(cfg_path.read_text()).get("hidden_size", 0))
-    except (ValueError, OSError):
-        return None
-    n = len(job.target.layer_ids) if job.target.layer_ids else job.target.num_features
-    return n * hidden if hidden else None
 
 
 def load_job(path: str | Path) -> JobConfig:

@@ -23,7 +23,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.config import RunPaths
+from common.run_paths import RunPaths
 
 SERVER = "server"
 CLIENT = "consumer"

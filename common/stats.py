@@ -58,8 +58,8 @@ import msgpack
 import psutil
 import zmq
 
-from common.config import RunPaths
 from common.profile import ProfileStats, format_profile_line, snapshot_delta
+from common.run_paths import RunPaths
 
 SCHEMA_VERSION = 1
 INGEST_SOCKET = "telemetry-in.sock"  # in the run's sockets/ folder

@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
-from common.config import EXPERT_COUNT_KEYS, JobConfig, dflash_layer_ids, required_slot_bytes
+from common.config import JobConfig, dflash_layer_ids
 from common.launch_plan import producer_name
 from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, tracked_peak
+from common.packed_batch import required_slot_bytes
+from common.target_probe import EXPERT_COUNT_KEYS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FIT_TOKENS = (512, 1024)  # batch sizes the forward is measured at when tokens_per_batch is larger

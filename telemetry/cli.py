@@ -23,7 +23,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from common.config import ConfigError, RunPaths, load_job
+from common.config import ConfigError, load_job
+from common.run_paths import RunPaths
 from common.startup import PHASE_NAMES
 from telemetry.aggregate import source_prefix
 from telemetry.service import REPUBLISH_SOCKET

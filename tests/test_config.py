@@ -1,9 +1,15 @@
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from common.config import ConfigError, dflash_layer_ids, load_job, parse_job, required_slot_bytes
+from common.config import ConfigError, dflash_layer_ids, load_job, parse_job
+from common.packed_batch import required_slot_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MINIMAL = """
 [target]
@@ -102,3 +108,12 @@ def test_ring_name_separates_run_folders_of_one_job_name(tmp_path):
     assert job_a.ring_name(0) == load_job(one / "job.toml").ring_name(0)  # a restart finds its stale ring
     assert job_a.ring_name(0).startswith("demo-") and job_a.ring_name(0).endswith("-n0")
     assert job_a.ring_name(1, replica=2).endswith("-n1p2") and job_a.ring_name(0, replica=0).endswith("-n0")
+
+
+def test_the_schema_does_not_import_transformers():
+    """Every process and tool reads the job file first: the schema must not cost transformers' import. The
+    probes that need it (common/target_probe.py) import it only when a target's config.json asks for them."""
+    code = ("import common.config, sys; loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers');"
+            " assert not loaded, loaded")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

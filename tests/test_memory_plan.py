@@ -19,8 +19,9 @@ from safetensors import safe_open
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
-from common.config import DrafterConfig, load_job, required_slot_bytes
+from common.config import DrafterConfig, load_job
 from common.memory_plan import CUDA_CONTEXT_BYTES, GIB, ProcessMemory, device_totals, render
+from common.packed_batch import required_slot_bytes
 from consumer.memory_plan import fsdp_peak, plan_drafters, step_peak
 from consumer.model import DrafterArch
 from consumer.objective import anchor_budget

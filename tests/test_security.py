@@ -14,8 +14,9 @@ import zmq
 import zmq.auth
 
 from common.channel import ConsumerChannel, ProducerChannel
-from common.config import ConfigError, RunPaths, is_loopback, load_job, parse_job
+from common.config import ConfigError, is_loopback, load_job, parse_job
 from common.protocol import Hello, Welcome, encode
+from common.run_paths import RunPaths
 from common.security import (
     InsecureEndpoint,
     check_private_dir,

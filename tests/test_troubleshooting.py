@@ -16,8 +16,9 @@ import zmq
 
 from common import joblock
 from common.channel import _lock_ipc_endpoint
-from common.config import ConfigError, RunPaths, load_job
+from common.config import ConfigError, load_job
 from common.ring import RingError, SlotRing
+from common.run_paths import RunPaths
 from telemetry import cli
 from telemetry.service import REPUBLISH_SOCKET
 from telemetry.sinks import WINDOW_TOPIC
