@@ -13,7 +13,7 @@ TORCH_SPEC      ?= $(if $(HAS_NVIDIA),torch,torch==2.13.0)
 TORCH_INDEX     ?= $(if $(HAS_NVIDIA),,$(shell $(PYTHON) -c "import urllib.request as r; \
                    r.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --index-url $(TORCH_CPU_INDEX)))
 
-.PHONY: install test test-fast bench gpu-check demo lint clean
+.PHONY: install test test-fast bench gpu-check demo lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,8 +39,13 @@ gpu-check: install   # one GPU: 7 stages, each its own command of <= 4 min, 480 
 demo: install
 	./launch.sh
 
-lint: install
+lint: install   # the formatter's layout (line length 120, pyproject.toml) and the linter's rules
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+
+format: install   # apply what `make lint` checks
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

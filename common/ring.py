@@ -255,10 +255,7 @@ class SlotRing:
             raise RingError(f"ring handle: {num_slots} slots x {slot_bytes} B do not fit {total} B")
         if slot_bytes % SLOT_ALIGN or total % SLOT_ALIGN:
             raise RingError(f"ring handle: slot_bytes and total_bytes must be multiples of {SLOT_ALIGN}")
-        if handle["kind"] == "cpu":
-            buf = _attach_shm(handle["path"], total)
-        else:
-            buf = ring_cuda.attach(handle, total, device)
+        buf = _attach_shm(handle["path"], total) if handle["kind"] == "cpu" else ring_cuda.attach(handle, total, device)
         ring = cls(handle["kind"], buf, num_slots, slot_bytes, handle["canary"], owner=False)
         ring.path = handle.get("path")
         ring._verify_header(total)

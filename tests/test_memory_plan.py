@@ -185,8 +185,8 @@ def test_plans_of_a_job_name_each_process_on_each_device_with_its_parts(tmp_path
     assert (producer.process, producer.device) == ("producer", "cuda:0")
     assert producer.parts["ring"] == 3 * required_slot_bytes(512, 3 * 256, "bfloat16")
     with safe_open(str(target_dir / "model.safetensors"), "pt") as f:  # what the cut model loads, in bf16
-        kept = [k for k in f.keys() if k.startswith(  # noqa: SIM118 (safe_open is not iterable)
-            ("model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.2."))]
+        layers = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.", "model.layers.2.")
+        kept = [k for k in f.keys() if k.startswith(layers)]  # noqa: SIM118 (safe_open is not iterable)
         loaded = sum(math.prod(f.get_slice(k).get_shape()) for k in kept) * 2
     assert 0 <= producer.parts["weights"] - loaded < 4096  # + the final norm and the rotary buffer
     assert producer.parts["cuda_context"] == CUDA_CONTEXT_BYTES and producer.parts["forward"] > 0
