@@ -119,12 +119,17 @@ JOB_KEYS = {
 }
 
 
-def check_config(config: dict, mine: dict, source: str, drafter: str) -> None:
-    """WarmStartError at the first key where the published config differs from the job's drafter."""
-    if config.get("architectures") not in (None, ["DFlashDraftModel"]):
-        raise WarmStartError(f"{source}: architectures = {config['architectures']!r}, drafter {drafter} is a"
-                             " DFlashDraftModel (DFlash1)")
-    theirs = published_shape(config, source)
+DFLASH1 = ["DFlashDraftModel"]
+
+
+def check_config(config: dict, mine: dict, source: str, drafter: str, grows_from_dflash1: bool = False) -> None:
+    """WarmStartError at the first key where the published config differs from the job's drafter (`mine`:
+    its own export config). grows_from_dflash1: the job's architecture extends DFlash1 (its extra parameters
+    may be missing), so a DFlash1 directory fits it too."""
+    theirs_arch, my_arch = config.get("architectures") or DFLASH1, mine.get("architectures") or DFLASH1
+    if theirs_arch != my_arch and not (grows_from_dflash1 and theirs_arch == DFLASH1):
+        raise WarmStartError(f"{source}: architectures = {theirs_arch!r}, but drafter {drafter} is {my_arch!r}")
+    theirs, mine = published_shape(config, source), published_shape(mine, "the job's drafter")
     if theirs["target_layer_ids"] is None:
         raise WarmStartError(f"{source}: no dflash_config.target_layer_ids (nor num_target_layers to derive"
                              " them): the target features the drafter was trained on are unknown")
@@ -202,12 +207,11 @@ def check_tensors(state: dict[str, torch.Tensor], params: dict[str, torch.Tensor
     return named
 
 
-def job_shape(trainer) -> dict:
-    """The shape keys of the drafter `trainer` builds, in published_shape's terms (from its own export config)."""
-    config = export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                           mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                           dtype=trainer.cfg.dtype)
-    return published_shape(config, "the job's drafter")
+def job_config(trainer) -> dict:
+    """The export config.json of the drafter `trainer` builds: what a published one is compared with."""
+    return export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
+                         mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
+                         dtype=trainer.cfg.dtype)
 
 
 def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] = frozenset()) -> Path:
@@ -216,7 +220,7 @@ def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] = froze
     the trainer's fresh one (no state yet), at step 0."""
     root = resolve_dir(path)
     config = read_config(root)
-    check_config(config, job_shape(trainer), str(root / CONFIG), trainer.cfg.name)
+    check_config(config, job_config(trainer), str(root / CONFIG), trainer.cfg.name, bool(may_be_missing))
     params = dict(trainer.model.named_parameters())
     named = check_tensors(read_weights(root), params, frozenset(may_be_missing), str(root), trainer.cfg.name)
     with torch.no_grad():

@@ -21,7 +21,7 @@ from consumer.checkpoint import export_config, save_checkpoint, write_export
 from consumer.objective import attention_masks, build_draft_batch
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
-from consumer.warm_start import WarmStartError, warm_start, warm_start_unless_resuming
+from consumer.warm_start import WarmStartError, check_config, warm_start, warm_start_unless_resuming
 
 B = 4
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,8 @@ def edited(export, tmp_path, change):
     (lambda c: c.update(vocab_size=1000), r"vocab_size = 1000, but drafter d0 has vocab_size = 512"),
     (lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=8),
      r"layer_types = \['sliding_attention', 'sliding_attention'\]"),
-    (lambda c: c.update(architectures=["DFlash2DraftModel"]), r"architectures = \['DFlash2DraftModel'\]"),
+    (lambda c: c.update(architectures=["DFlash2DraftModel"]),
+     r"architectures = \['DFlash2DraftModel'\], but drafter d0 is \['DFlashDraftModel'\]"),
 ])
 def test_a_mismatched_directory_fails_naming_the_file_and_the_key(source, tmp_path, change, message):
     parts, _, export, _ = source
@@ -175,3 +176,15 @@ def test_consumer_process_with_a_mismatched_init_from_exits_2_naming_the_file(tm
     assert done.returncode == 2, done.stderr
     assert f"{published / 'config.json'}: dflash_config.target_layer_ids = [0], but drafter d0 has" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_dflash1_directory_fits_a_drafter_that_grows_from_it(source):
+    """A DFlash2 drafter (its new parts may be missing) accepts a DFlash1 directory of the same shape."""
+    _, _, export, _ = source
+    config = json.loads((export / "config.json").read_text())
+    grown = {**config, "architectures": ["DFlash2DraftModel"]}
+    check_config(config, grown, "c.json", "d0", grows_from_dflash1=True)
+    with pytest.raises(WarmStartError, match=r"c.json: architectures = \['DFlashDraftModel'\], but drafter d0 is"):
+        check_config(config, grown, "c.json", "d0")
+    with pytest.raises(WarmStartError, match=r"c.json: block_size = 8, but drafter d0 has block_size = 4"):
+        check_config({**config, "block_size": 8}, grown, "c.json", "d0", grows_from_dflash1=True)
