@@ -15,6 +15,7 @@ from test_drafter_common import LAYER_IDS, drafter_cfg, target_features, tiny_ta
 
 from common.config import DrafterConfig, default_sliding_block_attention
 from consumer.checkpoint import export_config, write_export
+from consumer.evaluate import load_drafter
 from consumer.export.dflash import layer_is_causal
 from consumer.mask_token import mask_token_text
 from consumer.model import DFlashDrafter
@@ -158,6 +159,7 @@ def test_export_serves_the_trained_mask_and_stays_lossless(sliding, tmp_path, ru
     draft = transformers.AutoModel.from_pretrained(str(tmp_path), trust_remote_code=True, local_files_only=True,
                                                    dtype=torch.float32)
     assert [layer.self_attn.causal for layer in draft.layers] == [rule == "causal", False]
+    assert load_drafter(tmp_path, parts.path).model.arch.sliding_block_attention == rule  # dflash-eval reads it too
     n = len(seq)
     loss_mask = torch.ones(n, dtype=torch.uint8)
     batch = build_draft_batch(seq, loss_mask, torch.tensor([0, n]), anchors_per_seq=6, block_size=B,
