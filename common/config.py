@@ -180,6 +180,17 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
 }
 
 
+SlidingBlockAttention = Literal["causal", "bidirectional"]
+
+
+def default_sliding_block_attention(arch: str) -> SlidingBlockAttention:
+    """The in-block rule of sliding layers that SGLang and vLLM serve today for this architecture's drafters
+    (docs/design.md, "Sliding layers"): DFlash1 exports carry no `is_causal`, and both engines then make the
+    block causal in sliding layers (as SpecForge trains it); z-lab's DFlash2 configs set `is_causal: false`,
+    and both engines then let the block attend both ways (speculators' dflash2 default)."""
+    return "bidirectional" if arch == "dflash2" else "causal"
+
+
 class DrafterConfig(_Section):
     name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=32)]
     block_size: Annotated[int, Field(ge=2, le=64)] = 16
@@ -217,6 +228,12 @@ class DrafterConfig(_Section):
     log_every: Annotated[int, Field(ge=1)] = 10
     max_nonfinite_steps: Annotated[int, Field(ge=1)] = 10
     seed: int | None = None  # default: the job seed
+    # in sliding layers, may a block slot see the slots after it? None: the architecture's default
+    # (default_sliding_block_attention). The export says it the way SGLang and vLLM read it (is_causal)
+    sliding_block_attention: SlidingBlockAttention | None = None
+    # a published drafter directory (config.json + safetensors, e.g. z-lab's) or one of our exports or
+    # checkpoints to start from (consumer/warm_start.py); the job's own checkpoints, when any, win
+    init_from: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _devices_match_replicas(self) -> DrafterConfig:
@@ -254,6 +271,11 @@ class DrafterConfig(_Section):
         if self.gamma is not None:
             return self.gamma
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size * 7.0 / 16.0))
+
+    @property
+    def block_attention(self) -> SlidingBlockAttention:
+        """The in-block rule of this drafter's sliding layers (set, or its architecture's default)."""
+        return self.sliding_block_attention or default_sliding_block_attention("dflash1")
 
     def device_of(self, replica: int) -> str:
         return self.devices[replica] if self.devices else "cpu"

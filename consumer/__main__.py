@@ -36,6 +36,7 @@ from consumer.shape import ShapeMismatch, check_shape
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
+from consumer.warm_start import WarmStartError, warm_start_unless_resuming
 
 log = logging.getLogger("consumer")
 
@@ -144,6 +145,11 @@ def _load(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, pr
     layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
     trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof,
                       tokens_per_batch=job.data.tokens_per_batch)
+    try:  # init_from: weights of a published drafter, unless this drafter has a checkpoint to resume
+        warm_start_unless_resuming(trainer, job.run_paths.checkpoints(cfg.name))
+    except WarmStartError as err:
+        log.error("%s", err)
+        return 2
     if cfg.distributed == "fsdp":
         group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
     ckpt_root = job.run_paths.checkpoints(cfg.name)

@@ -69,7 +69,12 @@ def export_config(
     RoPE and the per-layer attention kinds are the drafter's own (rope_theta/rope_scaling for SGLang and
     vLLM, rope_parameters for transformers 5); max_window_layers counts the leading full-attention
     layers (Qwen2's convention; layer_types is authoritative); is_causal false says every layer is
-    non-causal, sliding ones included; bos/eos are the target's."""
+    non-causal, sliding ones included, unless the sliding layers' block is causal (then `is_causal` is left
+    out: consumer/sliding_rule.py); the MASK token as its id and its string (SGLang reads both); bos/eos
+    are the target's."""
+    from consumer.mask_token import mask_token_text
+    from consumer.sliding_rule import export_keys as sliding_export_keys
+
     kinds = list(arch.attention_layers)
     sliding = "sliding_attention" in kinds
     scaling = {k: v for k, v in arch.rope_parameters.items() if k != "rope_theta"} if arch.rope_scaling else None
@@ -78,7 +83,8 @@ def export_config(
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "dflash_config": {"mask_token_id": mask_token_id, "mask_token": mask_token_text(str(parts.path), mask_token_id),
+                          "target_layer_ids": list(target_layer_ids)},
         "num_target_layers": parts.num_hidden_layers,
         "num_hidden_layers": arch.num_layers,
         "layer_types": kinds,
@@ -95,7 +101,7 @@ def export_config(
         "max_position_embeddings": parts.max_position_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "is_causal": False,
+        **sliding_export_keys(arch.sliding_block_attention, kinds),
         "initializer_range": 0.02,
         "use_sliding_window": sliding,
         "sliding_window": arch.sliding_window,

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from common.checkpoint_pointer import read_pointer
 from consumer.eval_bench import first_difference
 from consumer.model import DFlashDrafter, DrafterArch
+from consumer.sliding_rule import served_rule
 from consumer.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
 from consumer.target_parts import load_target_parts
 
@@ -90,6 +91,7 @@ def load_drafter(
             layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
             sliding_window=cfg.get("sliding_window") if "sliding_attention" in (cfg.get("layer_types") or []) else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            sliding_block_attention=served_rule(cfg, str(path / "config.json")) or "causal",  # as engines serve it
         )
     except KeyError as err:
         raise KeyError(f"{path / 'config.json'}: required field {err.args[0]!r} is missing") from None

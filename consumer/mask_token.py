@@ -8,10 +8,12 @@ token the tokenizer declares but never produces (Llama 3's `<|reserved_special_t
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 RESERVED = [re.compile(p, re.IGNORECASE) for p in (r"mask", r"reserved", r"unused")]  # in order of preference
+DEFAULT_MASK_TOKEN = "<|MASK|>"  # z-lab's token, and SGLang's default dflash_config.mask_token
 
 
 def resolve_mask_token_id(path: str | Path, vocab_size: int, configured: int | None) -> int:
@@ -47,3 +49,26 @@ def _from_tokenizer(path: Path, vocab_size: int) -> int | None:
         " reserved or unused special token; set mask_token_id in the job's [[drafters]] table to a row the"
         " target never produces"
     )
+
+
+@functools.lru_cache(maxsize=16)
+def mask_token_text(path: str, mask_id: int) -> str:
+    """The token string exported as dflash_config.mask_token for `mask_id` (SGLang's loader reads it, with
+    "<|MASK|>" as its default, and refuses a drafter whose mask_token the tokenizer maps to another id than
+    mask_token_id). An id the tokenizer has: its own string; a spare row (an id past the tokenizer, e.g.
+    Qwen3's 151669): "<|MASK|>", the token z-lab adds there, unless the tokenizer already has that string
+    elsewhere, then a name it does not have. A target without tokenizer files: "<|MASK|>"."""
+    root = Path(path)
+    if not (root / "tokenizer_config.json").is_file() and not (root / "tokenizer.json").is_file():
+        return DEFAULT_MASK_TOKEN
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    vocab = tok.get_vocab()
+    if mask_id < len(tok):
+        text = tok.convert_ids_to_tokens(mask_id)
+        if isinstance(text, str) and vocab.get(text) == mask_id:
+            return text
+    if DEFAULT_MASK_TOKEN not in vocab:
+        return DEFAULT_MASK_TOKEN
+    return f"<|dflash_mask_{mask_id}|>"

@@ -45,6 +45,7 @@ class DrafterArch:
     layer_types: tuple[str, ...] | None = None  # None: every layer "full_attention"
     sliding_window: int | None = None
     max_position_embeddings: int = 32768
+    sliding_block_attention: str = "causal"  # in sliding layers: "causal" (slot k sees slots <= k) or "bidirectional"
 
     @classmethod
     def from_target(cls, parts: TargetParts, cfg: DrafterConfig, num_features: int) -> DrafterArch:
@@ -63,6 +64,7 @@ class DrafterArch:
             layer_types=tuple(cfg.attention_layers),
             sliding_window=cfg.sliding_window,
             max_position_embeddings=parts.max_position_embeddings,
+            sliding_block_attention=cfg.block_attention,
         )
 
     @property
@@ -278,5 +280,7 @@ class DFlashDrafter(nn.Module):
         pos = torch.arange(S + B, device=block_ids.device)
         masks: dict[str, Mask] = {"full_attention": None}
         if self.arch.sliding_window is not None:  # |query position - key position| < W
-            masks["sliding_attention"] = (pos[S:, None] - pos[None, :]).abs() < self.arch.sliding_window
+            near = (pos[S:, None] - pos[None, :]).abs() < self.arch.sliding_window
+            causal = self.arch.sliding_block_attention == "causal"
+            masks["sliding_attention"] = near & (pos[S:, None] >= pos[None, :]) if causal else near
         return self.logits(self(context_features, pos[:S], block_ids, pos[S:], masks))

@@ -13,8 +13,11 @@ Sliding-window layers (`window` W) add one condition to the same predicate, in s
 a query row at position p+k (slot k of anchor p) sees a key at position j only if |p+k - j| < W.
 For context keys (j < p) that is j > p+k-W: slot k sees context positions max(0, p+k-W+1)..p-1 (the
 anchor's row W-1 of them at most, each later row one fewer); for its own block's keys at p+k' it is
-|k-k'| < W (every slot when B <= W). This is the window a sliding layer of the exported drafter applies when
-drafting at position p (consumer/export/dflash.py), so training and serving agree.
+|k-k'| < W (every slot when B <= W). `causal` (the drafter's sliding_block_attention = "causal") adds
+k' <= k for the block's keys of sliding layers: what SGLang and vLLM serve for an export without
+`is_causal` (docs/design.md, "Sliding layers"); full layers always see their whole block. This is the mask a
+sliding layer of the exported drafter applies when drafting at position p (consumer/export/dflash.py), so
+training and serving agree.
 
 Candidates: a position p is a candidate anchor if loss_mask is 1 at p and at p+1 (inside its sequence);
 its block may run past the sequence end, and the slots there carry no loss (SpecForge's rule: the ends of
@@ -64,8 +67,10 @@ def _allowed(
     anchor_valid: Tensor | None,
     block_pos: Tensor,
     window: int | None,
+    causal: bool,
 ) -> Tensor:
-    """The one mask predicate (module docstring). Keys: [0, num_ctx) context rows, then block rows."""
+    """The one mask predicate (module docstring). Keys: [0, num_ctx) context rows, then block rows;
+    `causal` (sliding layers only): a block slot sees its own block's slots up to itself."""
     T, B = num_ctx, block_size
     a = q_idx // B
     is_ctx = kv_idx < T
@@ -79,6 +84,8 @@ def _allowed(
     if window is not None:
         key_pos = torch.where(is_ctx, ctx_pos[j], block_pos[(kv_idx - T).clamp(0, block_pos.numel() - 1)])
         ok = ok & ((block_pos[q_idx] - key_pos).abs() < window)
+        if causal:  # context keys are before the anchor, so only block keys can come after the query
+            ok = ok & (is_ctx | (key_pos <= block_pos[q_idx]))
     return ok
 
 
@@ -104,9 +111,9 @@ class DraftBatch:
     def num_anchors(self) -> int:
         return self.anchor_tok.numel()
 
-    def allowed(self, q_idx: Tensor, kv_idx: Tensor, window: int | None = None) -> Tensor:
-        """May query row q_idx see key kv_idx (in a layer with this sliding window, None: full)?
-        Keys: [0, T) context rows, [T, T+Q) block rows."""
+    def allowed(self, q_idx: Tensor, kv_idx: Tensor, window: int | None = None, causal: bool = False) -> Tensor:
+        """May query row q_idx see key kv_idx (in a layer with this sliding window, None: full; `causal`:
+        the sliding layer's block is causal)? Keys: [0, T) context rows, [T, T+Q) block rows."""
         return _allowed(
             q_idx,
             kv_idx,
@@ -119,6 +126,7 @@ class DraftBatch:
             anchor_valid=None,
             block_pos=self.block_pos,
             window=window,
+            causal=causal,
         )
 
 
@@ -277,11 +285,12 @@ def build_draft_batch(
     )
 
 
-def dense_mask(batch: DraftBatch, window: int | None = None) -> DenseMask:
+def dense_mask(batch: DraftBatch, window: int | None = None, causal: bool = False) -> DenseMask:
     """The block mask for SDPA over each block's reachable keys (see the module docstring).
 
     Full layers gather the first C = longest-sequence context rows of the anchor's sequence; sliding
-    layers only the W-1 rows before the anchor (no row of the block sees further back)."""
+    layers only the W-1 rows before the anchor (no row of the block sees further back); `causal`: the
+    sliding layer's block is causal."""
     device, T, B, A = batch.anchor_tok.device, batch.num_tokens, batch.block_size, batch.num_anchors
     p = batch.anchor_tok[:, None]
     start = batch.seq_start[batch.anchor_seq][:, None]
@@ -297,16 +306,16 @@ def dense_mask(batch: DraftBatch, window: int | None = None) -> DenseMask:
     kv = torch.cat([ctx_index, block_keys], dim=1)  # [A, C+B] key indices in the full grid
     rows = 1 if window is None else B  # without a window every row of a block sees the same keys
     q = torch.arange(A, device=device)[:, None, None] * B + torch.arange(rows, device=device)[:, None]
-    return DenseMask(key_index=kv, allowed=batch.allowed(q, kv[:, None, :], window)[:, None])
+    return DenseMask(key_index=kv, allowed=batch.allowed(q, kv[:, None, :], window, causal)[:, None])
 
 
 def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TILE,
-              plan: FlexPlan | None = None) -> BlockMask:
+              plan: FlexPlan | None = None, causal: bool = False) -> BlockMask:
     """The block mask as a FlexAttention BlockMask over the padded grid [Qp, Tp + Qp]: context rows
     padded to Tp, block rows to Qp (padding rows see nothing and are seen by nobody), the plan's one
     shape when the batch fits it (consumer/kernels/flex.py), else length buckets (flex_bucket). The mask
     function closes over tensors of those padded sizes and constants only, so a compiled kernel reuses one
-    graph per (shape, window) whatever the batch (consumer/model.py pads q, k and v the same way)."""
+    graph per (shape, window, causal) whatever the batch (consumer/model.py pads q, k and v the same way)."""
     device, T, B = batch.anchor_tok.device, batch.num_tokens, batch.block_size
     Q = batch.num_anchors * B
     Tp, Qp = plan.padded(T, Q) if plan is not None else (flex_bucket(T), flex_bucket(Q))
@@ -333,6 +342,7 @@ def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TI
             anchor_valid=anchor_valid,
             block_pos=block_pos,
             window=window,
+            causal=causal,
         )
 
     return create_block_mask(
@@ -348,15 +358,19 @@ def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TI
 
 
 def attention_masks(batch: DraftBatch, layer_types: list[str] | tuple[str, ...], window: int | None, flex: bool,
-                    kernel: CompiledFlex | None = None):
+                    kernel: CompiledFlex | None = None, sliding_block_attention: str = "causal"):
     """One mask per attention kind the drafter's layers use: {"full_attention": ..., "sliding_attention": ...}.
-    flex with a `kernel`: FlexMasks on its plan's grid, run by it (compiled); flex alone: BlockMasks (eager)."""
+    flex with a `kernel`: FlexMasks on its plan's grid, run by it (compiled); flex alone: BlockMasks (eager).
+    sliding_block_attention: the drafter's in-block rule of sliding layers ("causal" or "bidirectional")."""
+    if sliding_block_attention not in ("causal", "bidirectional"):
+        raise ValueError(f"sliding_block_attention must be 'causal' or 'bidirectional', got {sliding_block_attention!r}")
 
     def build(w: int | None):
+        causal = w is not None and sliding_block_attention == "causal"
         if not flex:
-            return dense_mask(batch, w)
+            return dense_mask(batch, w, causal)
         if kernel is None:
-            return flex_mask(batch, w)
-        return FlexMask(flex_mask(batch, w, plan=kernel.plan), kernel)
+            return flex_mask(batch, w, causal=causal)
+        return FlexMask(flex_mask(batch, w, plan=kernel.plan, causal=causal), kernel)
 
     return {kind: build(window if kind == "sliding_attention" else None) for kind in set(layer_types)}

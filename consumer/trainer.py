@@ -30,6 +30,7 @@ from consumer.loss import DraftMetrics, chunked_lm_head_loss
 from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import anchor_budget, attention_masks, build_draft_batch
+from consumer.sliding_rule import serving_caveats
 from consumer.target_parts import TargetParts
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class Trainer:
         lm_head = embed if parts.tie_word_embeddings else parts.lm_head.to(self.device, frozen_dtype)
         self.parts = dataclasses.replace(parts, embed_tokens=embed, lm_head=lm_head)  # no host copies kept
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
+        for note in serving_caveats(cfg.block_attention, cfg.attention_layers, cfg.sliding_window, cfg.block_size):
+            log.warning("drafter %s: %s", cfg.name, note)
         self.model = DFlashDrafter(self.arch, embed, lm_head, init_seed=self.seed).to(self.device)
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
@@ -316,7 +319,7 @@ class Trainer:
                 max_anchors=self.max_anchors,
             )
             masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex,
-                                    kernel=self.flex)
+                                    kernel=self.flex, sliding_block_attention=self.arch.sliding_block_attention)
         with self._timer("forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             loss_sum, correct = chunked_lm_head_loss(

@@ -17,11 +17,13 @@ committed token), given the target features of the context positions not yet in 
                                                    # (temperature > 0: sampled, then speculative sampling)
 
 Layers are Qwen3 layers whose keys/values also carry the fused target context (context rows skip
-the input norm, Q, O and MLP); attention is non-causal; RoPE uses absolute positions and the
-drafter's own base/scaling (config.rope_parameters). A sliding layer (config.layer_types) lets a
-query at position i see a key at position j only when |i - j| < sliding_window, as in training
-(consumer/objective.py). The draft KV cache holds context rows only: each step feeds just the newly
-accepted positions' features; the block's own keys are recomputed every step and never cached.
+the input norm, Q, O and MLP); RoPE uses absolute positions and the drafter's own base/scaling
+(config.rope_parameters). A sliding layer (config.layer_types) lets a query at position i see a key at
+position j only when |i - j| < sliding_window, as in training (consumer/objective.py). Which layers are
+causal inside the block is read as SGLang and vLLM read it (`layer_is_causal`): config.is_causal when
+set (every layer), else dflash_config.causal, else sliding layers causal and full layers not. The draft KV
+cache holds context rows only: each step feeds just the newly accepted positions' features; the block's
+own keys are recomputed every step and never cached.
 """
 
 from __future__ import annotations
@@ -55,6 +57,19 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def layer_is_causal(config, layer_idx: int) -> bool:
+    """Is layer `layer_idx` causal inside the block? The rule of vLLM's qwen3_dflash.py and SGLang's
+    models/dflash.py: an explicit is_causal for every layer, else (vLLM) dflash_config.causal, else
+    causal exactly in sliding layers."""
+    explicit = getattr(config, "is_causal", None)
+    if explicit is None:
+        explicit = (getattr(config, "dflash_config", None) or {}).get("causal")
+    if explicit is not None:
+        return bool(explicit)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return kinds[layer_idx] == "sliding_attention"
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -70,6 +85,7 @@ class DFlashAttention(nn.Module):
         self.k_norm = DFlashRMSNorm(self.d, config.rms_norm_eps)
         kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.window = config.sliding_window if kinds[layer_idx] == "sliding_attention" else None
+        self.causal = layer_is_causal(config, layer_idx)
 
     def forward(self, x, ctx, cos, sin, key_pos, attention_mask=None, past_key_values=None):
         """x [b, q, H] block rows; ctx [b, S_new, H] new context rows; cos/sin [b, 1, S_new+q, d];
@@ -88,9 +104,13 @@ class DFlashAttention(nn.Module):
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         key_pos = key_pos[:, -k.shape[2] :]  # a sliding cache may keep fewer rows than were fed
         mask = attention_mask[..., -k.shape[2] :] if attention_mask is not None else None
+        query_pos, any_key = key_pos[:, None, -q_len:, None], key_pos[:, None, None, :]
         if self.window is not None:
-            near = (key_pos[:, None, None, :] - key_pos[:, None, -q_len:, None]).abs() < self.window
+            near = (any_key - query_pos).abs() < self.window
             mask = near if mask is None else mask & near
+        if self.causal:  # keys after the query (its block's later slots) are hidden
+            before = any_key <= query_pos
+            mask = before if mask is None else mask & before
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(b, q_len, self.h * self.d))
 

@@ -8,7 +8,8 @@ tokens_per_batch, block rows to its anchor budget × block size (both rounded up
 Block sparsity makes that padding nearly free: a padded query tile has no key block to visit and a
 padded key tile is seen by no row, so only the padded q/k/v/out buffers cost (memory, not FLOPs); and the
 anchor budget binds on most real batches, so the real rows fill most of it anyway. A run therefore
-compiles one graph per layer kind (the window is a constant of the mask function).
+compiles one graph per layer kind (the window and the sliding in-block rule are constants of the mask
+function).
 
 A batch beyond the plan (a caller feeding more tokens than tokens_per_batch) gets its own bucket
 (`flex_bucket`), counted as `flex_unplanned_shapes` and logged once. Dynamo's recompile limit is set to
