@@ -21,14 +21,9 @@ from common.startup import StartupBeat
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from common.supervisor import watch_supervisor
-from consumer.checkpoint import (
-    NoIntactCheckpoint,
-    checkpoint_bytes,
-    drafter_shape,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup, StepTrace
+from consumer.export.layout import drafter_shape
 from consumer.fanin import FanIn
 from consumer.group_cursor import GroupCursor
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal

@@ -1,8 +1,8 @@
-"""Checkpoints: the published DFlash export (dflash.md §3) plus the training state, written atomically.
+"""Checkpoints: an export directory (consumer/export/layout.py) plus the training state, written atomically.
 
-    <ckpt_root>/step_<N>/config.json         the drafter config SGLang / vLLM / transformers read
-                         model.safetensors   trained weights only (no embedding, no lm_head), export dtype
-                         dflash.py           modeling file for AutoModel + trust_remote_code
+    <ckpt_root>/step_<N>/config.json         \
+                         model.safetensors    the export (consumer/export/layout.py)
+                         dflash.py           /
                          trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq,
                                              the drafter's shape (consumer/shape.py)
                          manifest.json       size and xxh3-128 digest of each file above, written last
@@ -36,90 +36,19 @@ from pathlib import Path
 import torch
 import xxhash
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from common.checkpoint_pointer import LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
-from consumer.model import DrafterArch
+from consumer.export.layout import EXPORT_FILES, drafter_shape, trainer_export_config, write_export
 from consumer.shape import shape_from_config
-from consumer.target_parts import TargetParts
 
-EXPORT_MODULE = Path(__file__).parent / "export" / "dflash.py"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 DIGEST = "xxh3_128"
-EXPORT_FILES = ("config.json", "model.safetensors", "dflash.py")
 CORRUPT_PREFIX = "corrupt-"
 
 log = logging.getLogger(__name__)
-
-
-def export_config(
-    arch: DrafterArch,
-    parts: TargetParts,
-    *,
-    block_size: int,
-    mask_token_id: int,
-    target_layer_ids: list[int],
-    dtype: str,
-) -> dict:
-    """config.json of the published format ([SF] configs/qwen3-8b-dflash.json, z-lab's drafters).
-
-    RoPE and the per-layer attention kinds are the drafter's own (rope_theta/rope_scaling for SGLang and
-    vLLM, rope_parameters for transformers 5); max_window_layers counts the leading full-attention
-    layers (Qwen2's convention; layer_types is authoritative); is_causal false says every layer is
-    non-causal, sliding ones included; bos/eos are the target's."""
-    kinds = list(arch.attention_layers)
-    sliding = "sliding_attention" in kinds
-    scaling = {k: v for k, v in arch.rope_parameters.items() if k != "rope_theta"} if arch.rope_scaling else None
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
-        "num_target_layers": parts.num_hidden_layers,
-        "num_hidden_layers": arch.num_layers,
-        "layer_types": kinds,
-        "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.intermediate_size,
-        "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": arch.rms_norm_eps,
-        "rope_theta": arch.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": arch.rope_parameters,
-        "max_position_embeddings": parts.max_position_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "is_causal": False,
-        "initializer_range": 0.02,
-        "use_sliding_window": sliding,
-        "sliding_window": arch.sliding_window,
-        "max_window_layers": kinds.index("sliding_attention") if sliding else arch.num_layers,
-        "tie_word_embeddings": False,
-        "vocab_size": parts.vocab_size,
-        **target_special_tokens(parts.path),
-        "use_cache": True,
-        "dtype": dtype,
-    }
-
-
-def target_special_tokens(path: Path) -> dict:
-    """bos_token_id / eos_token_id of the target: its generation config's (the stop list generate() uses,
-    e.g. Llama 3's three end tokens), else its (text) config's; eos may be a list. Missing ones are left out."""
-    found: dict = {}
-    for name in ("config.json", "generation_config.json"):  # the later file wins
-        file = Path(path) / name
-        if not file.is_file():
-            continue
-        cfg = json.loads(file.read_text())
-        for scope in (cfg, cfg.get("text_config") or {}):
-            found.update({k: scope[k] for k in ("bos_token_id", "eos_token_id") if scope.get(k) is not None})
-    return found
 
 
 def _fsync_file(path: Path) -> None:
@@ -133,17 +62,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: dict) -> None:
-    """config.json + model.safetensors (cast to config['dtype']) + dflash.py into out_dir (which exists)."""
-    dtype = getattr(torch, config["dtype"])
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model_state.items()}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(EXPORT_MODULE, out_dir / "dflash.py")
-    for name in EXPORT_FILES:
-        _fsync_file(out_dir / name)
 
 
 KEEP_LAST = 3  # older step_<N> directories are removed once a newer checkpoint is complete
@@ -195,21 +113,15 @@ def _save(root: Path, trainer, keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{trainer.step}"
     final = root / name
-    config = export_config(
-        trainer.arch,
-        trainer.parts,
-        block_size=trainer.cfg.block_size,
-        mask_token_id=trainer.mask_token_id,
-        target_layer_ids=trainer.target_layer_ids,
-        dtype=trainer.cfg.dtype,
-    )
+    config = trainer_export_config(trainer)
     state = {**trainer.state_dict(), "shape": drafter_shape(trainer)}  # checked at resume (check_shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None
     try:
         write_export(tmp, state["model"], config)
         torch.save(state, tmp / STATE_FILE)
-        _fsync_file(tmp / STATE_FILE)
+        for file in (*EXPORT_FILES, STATE_FILE):
+            _fsync_file(tmp / file)
         write_manifest(tmp, (*EXPORT_FILES, STATE_FILE))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. on shutdown right after a periodic save)
@@ -396,12 +308,3 @@ def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
     write_pointer(root, ckpt.path.name)
     log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
     return ckpt
-
-
-
-def drafter_shape(trainer) -> dict:
-    """The shape keys of `trainer` (consumer/shape.py), as save_checkpoint records them in trainer_state.pt."""
-    config = export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                           mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                           dtype=trainer.cfg.dtype)
-    return {**shape_from_config(config), "optimizer": type(trainer.optimizer).__name__}

@@ -22,12 +22,12 @@ from consumer.checkpoint import (
     MANIFEST,
     STATE_FILE,
     NoIntactCheckpoint,
-    drafter_shape,
     load_latest,
     resume_checkpoint,
     save_checkpoint,
     write_manifest,
 )
+from consumer.export.layout import drafter_shape
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
 from consumer.shape import ShapeMismatch, check_shape
 from consumer.target_parts import load_target_parts
