@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,20 @@ BUCKET_BYTES = 64 << 20  # gradients are summed in flat buckets of at most this 
 
 class GroupError(RuntimeError):
     """The replica group cannot go on: a member died or timed out, or the environment is inconsistent."""
+
+
+T = TypeVar("T")
+
+
+def collective(who: str, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+    """fn(), a torch.distributed collective; its RuntimeError (a peer closed the connection, the group timeout
+    ran out) becomes a GroupError saying who failed during what."""
+    try:
+        return fn()
+    except RuntimeError as err:
+        late = f"one did not reach it within {timeout_s:.0f} s" if timeout_s else "one timed out"
+        raise GroupError(f"{who}: the group failed during {what} (a replica died, or {late}):"
+                         f" {str(err).splitlines()[0][:300]}") from err
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -152,14 +167,8 @@ class ReplicaGroup:
         """Global rank 0 alone writes checkpoints."""
         return self.env.rank == 0
 
-    def _collective(self, what: str, fn: Callable[[], object]):
-        try:
-            return fn()
-        except RuntimeError as err:
-            raise GroupError(
-                f"rank {self.rank} of {self.world_size}: the group failed during {what} (a replica died, or"
-                f" one did not reach it within {self.timeout_s:.0f} s): {str(err).splitlines()[0][:300]}"
-            ) from err
+    def _collective(self, what: str, fn: Callable[[], T]) -> T:
+        return collective(f"rank {self.rank} of {self.world_size}", what, fn, self.timeout_s)
 
     def shard(self, trainer) -> None:
         """distributed = "fsdp": the trainer's weights, gradients and Adam moments sharded over the group
@@ -299,7 +308,7 @@ def _buckets(tensors: list[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------------------------------------- step trace
 class StepTrace:
     """One JSON line per optimizer step: seqs and sample ids this replica trained in it, and a digest of
     its parameters. For tests and debugging (replicas compare digests); costs a device sync per step.

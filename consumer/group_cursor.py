@@ -156,5 +156,3 @@ class GroupCheckpoint:
     def state_dict(self) -> dict:
         return {**self._trainer.state_dict(), "group": self._group, "last_seq": self._last_seq}
 
-
-# ---------------------------------------------------------------------------------------------- step trace

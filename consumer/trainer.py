@@ -23,7 +23,8 @@ from torch import Tensor
 
 from common.config import DataConfig, DrafterConfig
 from common.host_memory import keep_freed_memory
-from consumer.distributed import GroupError
+from common.profile import timed
+from consumer.distributed import collective
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
@@ -61,6 +62,47 @@ def _cpu_copy(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_copy(v) for v in obj)
     return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipCounts:
+    """The non-finite skip bookkeeping as read on a log step."""
+
+    skipped: int  # optimizer steps skipped in all
+    run: int  # skipped in a row now (0 after a good step)
+    longest: int  # the longest run since the last read
+    first_seq: int  # seq of the current run's first skipped step
+    last_seq: int  # seq of the latest skipped step
+
+
+class SkipCounters:
+    """SkipCounts kept on the device: `update` on every step costs no sync, `read` (log steps) syncs once."""
+
+    def __init__(self, device: torch.device):
+        self._counts = torch.zeros(len(dataclasses.fields(SkipCounts)), dtype=torch.int64, device=device)
+
+    def update(self, bad: Tensor, seq: int) -> None:
+        """One optimizer step closed with batch `seq`; `bad`: a device bool, whether it was skipped."""
+        skipped, run, longest, first_seq, last_seq = self._counts.unbind()
+        b = bad.long()
+        run = (run + 1) * b  # consecutive skipped steps, 0 after a good one
+        self._counts.copy_(torch.stack([skipped + b, run, torch.maximum(longest, run),
+                                        torch.where(run == 1, seq, first_seq), torch.where(bad, seq, last_seq)]))
+
+    def read(self) -> SkipCounts:
+        """The counts (one device sync); the window's longest run restarts from the current one."""
+        counts = SkipCounts(*self._counts.tolist())
+        self._counts[2] = counts.run
+        return counts
+
+    def skipped(self) -> int:
+        """Steps skipped in all (one device sync: for checkpoints)."""
+        return int(self._counts[0])
+
+    def restart(self, skipped: int) -> None:
+        """As after `skipped` skipped steps and a good one (a resumed run)."""
+        self._counts.zero_()
+        self._counts[0] = skipped
 
 
 class Trainer:
@@ -110,8 +152,7 @@ class Trainer:
         self._full_state: tuple[int, dict, dict, Tensor] | None = None  # FSDP: (step, model, optim, rngs)
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
         self.metrics = DraftMetrics(cfg.block_size, self.device)
-        # device-side skip bookkeeping: [skipped total, current run, longest run since read, run's first seq, last seq]
-        self._nonfinite = torch.zeros(5, dtype=torch.int64, device=self.device)
+        self.nonfinite = SkipCounters(self.device)  # steps skipped for a non-finite loss or gradient
         self._nonfinite_logged = 0
         self._pending_loss = torch.zeros((), device=self.device)
         self._pending_weight = torch.zeros((), device=self.device)
@@ -169,11 +210,7 @@ class Trainer:
         self._build_optimizer()
 
     def _collective(self, what: str, fn: Callable[[], object]):
-        try:
-            return fn()
-        except RuntimeError as err:
-            raise GroupError(f"drafter {self.cfg.name}: the replica group failed during {what} (a replica died"
-                             f" or timed out): {str(err).splitlines()[0][:300]}") from err
+        return collective(f"drafter {self.cfg.name}", what, fn)
 
     def _run_deferred(self) -> None:
         """FSDP: forward + backward of this replica's batches of the step, in lockstep with the group. Every
@@ -246,9 +283,6 @@ class Trainer:
         self.optimizer.load_state_dict({**optim, "state": state})
 
     # ------------------------------------------------------------------------------------------ training
-    def _timer(self, name: str):
-        return self.prof.timer(name) if self.prof else contextlib.nullcontext()
-
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -298,7 +332,7 @@ class Trainer:
     def _forward_backward(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
                           stand_in: bool = False) -> None:
         cfg, dev = self.cfg, self.device
-        with self._timer("anchors"):
+        with timed(self.prof, "anchors"):
             input_ids = input_ids.to(dev, torch.int64, non_blocking=True)
             hidden = hidden.to(dev, non_blocking=True)
             if self.autocast_dtype is None:
@@ -317,12 +351,12 @@ class Trainer:
             )
             masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex,
                                     kernel=self.flex)
-        with self._timer("forward"), self._autocast():
+        with timed(self.prof, "forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             loss_sum, correct = chunked_lm_head_loss(
                 h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
             )
-        with self._timer("backward"):
+        with timed(self.prof, "backward"):
             (loss_sum * 0.0 if stand_in else loss_sum).backward()  # a stand-in adds zero to every gradient
         if stand_in:
             return
@@ -341,7 +375,7 @@ class Trainer:
             self._run_deferred()
         if self.grad_sync is not None:
             self.grad_sync(self.params, self._pending_weight, self._pending_loss)
-        with self._timer("optimizer"):
+        with timed(self.prof, "optimizer"):
             self._optimizer_step(seq)
         return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
@@ -357,19 +391,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        nf, b = self._nonfinite, bad.long()
-        run = (nf[1] + 1) * b  # consecutive skipped steps, 0 after a good one
-        self._nonfinite.copy_(
-            torch.stack(
-                [
-                    nf[0] + b,
-                    run,
-                    torch.maximum(nf[2], run),
-                    torch.where(run == 1, seq, nf[3]),  # first seq of the current run
-                    torch.where(bad, seq, nf[4]),  # latest skipped seq
-                ]
-            )
-        )
+        self.nonfinite.update(bad, seq)
         self._pending_loss.zero_()
         self._pending_weight.zero_()
         self.step += 1
@@ -380,8 +402,8 @@ class Trainer:
 
     def _read_metrics(self) -> dict[str, float]:
         """Log steps only: the one place that synchronises."""
-        skipped, run, longest, first_bad, last_bad = self._nonfinite.tolist()
-        self._nonfinite[2] = run  # the window's longest run restarts from the current one
+        counts = self.nonfinite.read()
+        skipped = counts.skipped
         if skipped > self._nonfinite_logged:
             log.warning(
                 "drafter %s: skipped %d optimizer step(s) with a non-finite loss or gradient since the last"
@@ -389,10 +411,10 @@ class Trainer:
                 self.cfg.name,
                 skipped - self._nonfinite_logged,
                 skipped,
-                last_bad,
+                counts.last_seq,
             )
             self._nonfinite_logged = skipped
-        if longest >= self.cfg.max_nonfinite_steps:
+        if counts.longest >= self.cfg.max_nonfinite_steps:
             bad_weights = self.non_finite_params()
             cause = (
                 f" The drafter's own weights are non-finite ({', '.join(bad_weights[:3])}), so every step fails"
@@ -401,9 +423,9 @@ class Trainer:
                 " the usual cause; check the target's dtype and the batches at those seqs."
             )
             raise NonFiniteTrainingError(
-                f"drafter {self.cfg.name}: {longest} optimizer steps in a row had a non-finite loss or"
-                f" gradient (max_nonfinite_steps={self.cfg.max_nonfinite_steps}), from batch seq {first_bad}"
-                f" to seq {last_bad}.{cause}"
+                f"drafter {self.cfg.name}: {counts.longest} optimizer steps in a row had a non-finite loss or"
+                f" gradient (max_nonfinite_steps={self.cfg.max_nonfinite_steps}), from batch seq {counts.first_seq}"
+                f" to seq {counts.last_seq}.{cause}"
             )
         out = self.metrics.read()
         out.update(
@@ -442,7 +464,7 @@ class Trainer:
                 "last_seq": self.last_seq,
                 "step": self.step,
                 "tokens": self.tokens,
-                "nonfinite_skipped": int(self._nonfinite[0]),
+                "nonfinite_skipped": self.nonfinite.skipped(),
                 "block_size": self.cfg.block_size,
                 "target_layer_ids": list(self.target_layer_ids),
             }
@@ -480,8 +502,7 @@ class Trainer:
         self.generator.set_state(rng)
         self._rng_at_step = rng.clone()
         self.last_seq, self.step, self.tokens = state["last_seq"], state["step"], state["tokens"]
-        self._nonfinite.zero_()
-        self._nonfinite[0] = state["nonfinite_skipped"]
+        self.nonfinite.restart(state["nonfinite_skipped"])
         self._nonfinite_logged = state["nonfinite_skipped"]
         self.optimizer.zero_grad(set_to_none=True)
         self._pending_loss.zero_()
