@@ -7,6 +7,7 @@ launch plan exports them with RANK / WORLD_SIZE / LOCAL_RANK, as torchrun would)
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -21,9 +22,9 @@ from common.startup import StartupBeat
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from common.supervisor import watch_supervisor
-from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, save_checkpoint
+from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, write_checkpoint
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup, StepTrace
-from consumer.export.layout import drafter_shape
+from consumer.export.layout import drafter_shape, trainer_export_config
 from consumer.fanin import FanIn
 from consumer.group_cursor import GroupCursor
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
@@ -192,7 +193,7 @@ def _serve(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, p
                            stopping=lambda: stop.reason is not None, producer=p) for p in range(producers)]
     stream = streams[0] if producers == 1 else FanIn(streams)
     service = ConsumerService(
-        trainer, stream, lambda what: save_checkpoint(ckpt_root, what),
+        trainer, stream, functools.partial(write_checkpoint, ckpt_root, export=trainer_export_config(trainer)),
         group=group, cursor=cursor, checkpoint_every=cfg.checkpoint_every,
         idle_timeout_s=job.transport.heartbeat_interval_s, prof=prof, stats=stats, name=name,
         trace=StepTrace(trace_path, env.rank, env.node_rank) if trace_path else None,

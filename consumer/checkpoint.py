@@ -3,14 +3,15 @@
     <ckpt_root>/step_<N>/config.json         \
                          model.safetensors    the export (consumer/export/layout.py)
                          dflash.py           /
-                         trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq,
-                                             the drafter's shape (consumer/shape.py)
+                         trainer_state.pt    the checkpoint state (consumer/checkpoint_state.py): weights,
+                                             optimizer, scheduler, RNG, step, group cursor, ledger id, shape
                          manifest.json       size and xxh3-128 digest of each file above, written last
     <ckpt_root>/latest -> step_<N>           a relative symlink (a loadable directory), replaced atomically
                                              after the directory is complete (common/checkpoint_pointer.py)
 
-A checkpoint is written into a temporary directory next to its final place, fsynced, then renamed;
-`latest` moves only after that, so a crash at any point leaves the previous checkpoint intact and current.
+This module is the life cycle only: `write_checkpoint` writes a state dict and its export into a temporary
+directory next to its final place, fsyncs, renames, then moves `latest`, so a crash at any point leaves the
+previous checkpoint intact and current; it keeps the newest KEEP_LAST.
 
 Resuming never loads a broken checkpoint silently: `load_latest` checks the manifest (present, every size
 and digest matching), reads trainer_state.pt and checks that the weights and optimizer moments are finite.
@@ -40,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from common.checkpoint_pointer import LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
+from consumer.checkpoint_state import checkpoint_state
 from consumer.export.layout import EXPORT_FILES, drafter_shape, trainer_export_config, write_export
 from consumer.shape import shape_from_config
 
@@ -79,20 +81,47 @@ def checkpoint_bytes(trainer) -> int:
     return int(1.1 * (held + trained * (DTYPE_BYTES[trainer.cfg.dtype] + 8))) + (1 << 20)
 
 
+def _state_bytes(state: dict, export_dtype: str) -> int:
+    """About what `state` takes on disk written as a checkpoint: every tensor it holds, plus its weights again
+    in the export dtype (checkpoint_bytes from the state instead of the trainer)."""
+    def tensors(obj):
+        if torch.is_tensor(obj):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from tensors(v)
+
+    held = sum(t.numel() * t.element_size() for t in tensors(state))
+    exported = sum(t.numel() for t in state["model"].values()) * DTYPE_BYTES[export_dtype]
+    return int(1.1 * (held + exported)) + (1 << 20)
+
+
 def save_checkpoint(ckpt_root: str | Path, trainer, keep_last: int = KEEP_LAST) -> Path:
-    """Write <ckpt_root>/step_<trainer.step>/ atomically and point `latest` at it; returns its path.
-    Keeps the newest `keep_last` checkpoints, so a long run does not fill the disk.
+    """A lone, unsharded trainer's checkpoint (no group cursor, no ledger record): `write_checkpoint` of its
+    checkpoint_state and export config."""
+    state = checkpoint_state(trainer.state_dict(), shape=drafter_shape(trainer))
+    return write_checkpoint(ckpt_root, state, trainer_export_config(trainer), keep_last)
+
+
+def write_checkpoint(ckpt_root: str | Path, state: dict, export: dict, keep_last: int = KEEP_LAST) -> Path:
+    """Write <ckpt_root>/step_<state["step"]>/ atomically and point `latest` at it; returns its path.
+    `state` (consumer/checkpoint_state.py) becomes trainer_state.pt, its "model" the export with config
+    `export` (consumer/export/layout.py). Keeps the newest `keep_last` checkpoints, so a long run does not
+    fill the disk.
 
     A failed write raises CheckpointWriteError naming the folder, the free space and the checkpoint that
     stays current."""
     root = Path(ckpt_root)
     try:
-        return _save(root, trainer, keep_last)
+        return _write(root, state, export, keep_last)
     except (OSError, SafetensorError, RuntimeError) as err:  # safetensors and torch.save do not raise OSError
-        raise _write_error(root, trainer, err) from err
+        raise _write_error(root, state, export, err) from err
 
 
-def _write_error(root: Path, trainer, err: Exception) -> CheckpointWriteError:
+def _write_error(root: Path, state: dict, export: dict, err: Exception) -> CheckpointWriteError:
     try:
         free = free_bytes(root)
     except OSError:
@@ -100,25 +129,23 @@ def _write_error(root: Path, trainer, err: Exception) -> CheckpointWriteError:
     code = getattr(err, "errno", None)
     if code is None:  # "... (os error 28)" from safetensors; nothing at all from torch.save's "file write failed"
         found = re.search(r"os error (\d+)", str(err))
-        code = int(found[1]) if found else errno.ENOSPC if free is not None and free < checkpoint_bytes(trainer) \
-            else errno.EIO
+        full = free is not None and free < _state_bytes(state, export["dtype"])
+        code = int(found[1]) if found else errno.ENOSPC if full else errno.EIO
     current = read_pointer(root) or "none"
     reason = os.strerror(code) if code != errno.EIO else f"{type(err).__name__}: {err}"
     room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
-    return CheckpointWriteError(code, f"cannot write checkpoint step_{trainer.step} in {root}: {reason} ({room});"
+    return CheckpointWriteError(code, f"cannot write checkpoint step_{state['step']} in {root}: {reason} ({room});"
                                       f" the previous checkpoint ({current}) is intact and stays current")
 
 
-def _save(root: Path, trainer, keep_last: int) -> Path:
+def _write(root: Path, state: dict, export: dict, keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{trainer.step}"
+    name = f"step_{state['step']}"
     final = root / name
-    config = trainer_export_config(trainer)
-    state = {**trainer.state_dict(), "shape": drafter_shape(trainer)}  # checked at resume (check_shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None
     try:
-        write_export(tmp, state["model"], config)
+        write_export(tmp, state["model"], export)
         torch.save(state, tmp / STATE_FILE)
         for file in (*EXPORT_FILES, STATE_FILE):
             _fsync_file(tmp / file)

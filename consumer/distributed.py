@@ -138,7 +138,6 @@ class ReplicaGroup:
         self.prof = prof
         self.bucket_bytes = bucket_bytes
         self.initialised = False
-        self._before_checkpoint: Callable[[], None] | None = None  # FSDP: the trainer's collective gather
         if env.world_size == 1:
             return
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -182,7 +181,6 @@ class ReplicaGroup:
         self.broadcast_params(trainer.params)
         mesh = self._collective("the FSDP mesh set-up", lambda: init_device_mesh(self.device.type, (self.world_size,)))
         trainer.shard(mesh)
-        self._before_checkpoint = trainer.gather_full_state
         log.info("drafter %s: FSDP2 over %d replicas (%s)", trainer.cfg.name, self.world_size, self.device.type)
 
     def sync_round(self, mine: RoundFlags) -> RoundFlags:
@@ -263,12 +261,8 @@ class ReplicaGroup:
         return got["where"], got["state"]
 
     def gather_trained(self, seqs: list[int]) -> dict[int, list[int]]:
-        """Every replica's trained seqs, merged per node (each replica gets the same answer).
-
-        This is the collective that opens every checkpoint (ConsumerService._save), so under FSDP the
-        trainer's full state is gathered here too: gathering it is collective, writing it is rank 0's."""
-        if self._before_checkpoint is not None:
-            self._before_checkpoint()
+        """Every replica's trained seqs, merged per node (each replica gets the same answer): the collective
+        that opens every checkpoint (ConsumerService._save)."""
         node = self.env.node_rank
         if self.world_size == 1:
             return {node: list(seqs)}

@@ -25,10 +25,12 @@ from consumer.checkpoint import (
     load_latest,
     resume_checkpoint,
     save_checkpoint,
+    write_checkpoint,
     write_manifest,
 )
-from consumer.export.layout import drafter_shape
-from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.checkpoint_state import checkpoint_state
+from consumer.export.layout import drafter_shape, trainer_export_config
+from consumer.group_cursor import GroupCursor
 from consumer.shape import ShapeMismatch, check_shape
 from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, NonFiniteTrainingError, Trainer
@@ -188,9 +190,10 @@ def test_fallback_keeps_the_exactly_once_lineage(setup, tmp_path):
                 ledger.stepped(trainer.step, [s])
             cursor = cursor.advance({0: list(pair)})
             state = cursor.to_state()
-            what = ledger.checkpoint(GroupCheckpoint(trainer, cursor, 1), {0: list(pair)}, state["cursors"],
-                                     state["trained_above"], producers=state["producers"])
-            save_checkpoint(root, what)
+            entry = ledger.checkpoint(trainer.step, {0: list(pair)}, state["cursors"], state["trained_above"],
+                                      producers=state["producers"])
+            write_checkpoint(root, checkpoint_state(trainer.state_dict(), shape=drafter_shape(trainer), cursor=cursor,
+                                                    ledger=entry), trainer_export_config(trainer))
             ledger.saved(trainer.step)
         ledger.close()
 
