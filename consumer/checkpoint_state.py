@@ -17,14 +17,20 @@ namespace:
     drafter shape   shape                                      export.layout.drafter_shape shape.check_shape
 
 A checkpoint without a group cursor (a lone trainer) carries the trainer's own last_seq: its meaning for
-one replica; one without a ledger entry resumes as "unaccounted" (common/accounting.py).
+one replica; one without a ledger entry resumes as "unaccounted" (common/accounting.py). `restore` gives
+each part its entries back at resume.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from common.accounting import resume_lineage
+from consumer.export.layout import drafter_shape
 from consumer.group_cursor import GroupCursor
+from consumer.shape import check_shape
 
 
 def checkpoint_state(trainer: dict, *, shape: dict, cursor: GroupCursor | None = None, world_size: int = 1,
@@ -38,6 +44,30 @@ def checkpoint_state(trainer: dict, *, shape: dict, cursor: GroupCursor | None =
     if ledger is not None:
         state["ledger"] = ledger
     return state
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What resuming gave back besides the trainer's own state (loaded into it)."""
+
+    cursor: GroupCursor  # where the group's producers resume: the checkpoint's, or fresh for a new lineage
+    lineages: list[str]  # the data lineages of the chain, this run's last (common/accounting.py)
+    same_plan: bool  # False: a new lineage trains from the checkpoint's weights with a fresh cursor
+
+
+def restore(state: dict | None, source: str, trainer, *, nnodes: int, producers: int, lineage: str) -> Restored:
+    """Give each part its entries of a checkpoint state back (None: a fresh start): the shape is checked
+    against the trainer's (ShapeMismatch), the trainer loads its state, the ledger's lineages decide whether
+    the cursor goes on (LineageError), and the cursor is read for `nnodes` nodes of `producers` producers.
+    `source` (the checkpoint's path) is named in every error."""
+    if state is not None:
+        check_shape(state, drafter_shape(trainer), trainer.cfg.name, source)
+        trainer.load_state_dict(state, source)
+    lineages, same_plan = resume_lineage(state, lineage, source)
+    cursor = GroupCursor.fresh(nnodes, producers)
+    if state is not None and same_plan:
+        cursor = GroupCursor.from_state(state, nnodes, producers, source)
+    return Restored(cursor, lineages, same_plan)
 
 
 def cpu_copy(obj):
