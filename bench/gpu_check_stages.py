@@ -327,7 +327,7 @@ def stage_export(workdir: Path) -> dict:
     from safetensors.torch import load_file
 
     from common.config import DrafterConfig
-    from consumer.checkpoint import export_config, write_export
+    from consumer.export.layout import export_config, write_export
     from consumer.target_parts import load_target_parts
     from consumer.trainer import Trainer
 

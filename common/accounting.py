@@ -140,22 +140,6 @@ def plan_records(run_dir: str | Path, node: int) -> list[dict]:
     return sorted(found, key=lambda r: r["t"])
 
 
-class LedgerCheckpoint:
-    """What the consumer saves, plus its ledger record id and its lineages in the trainer state (atomic with
-    the checkpoint)."""
-
-    def __init__(self, what: Any, record_id: str, lineages: Sequence[str] = (DEFAULT_LINEAGE,)):
-        self._what = what
-        self._record_id = record_id
-        self._lineages = list(lineages)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._what, name)
-
-    def state_dict(self) -> dict:
-        return {**self._what.state_dict(), "ledger": {"id": self._record_id, "lineages": self._lineages}}
-
-
 def per_node(flat: Sequence[Any], producers: int) -> list[tuple[Any, ...]]:
     """A flat per-(node, producer) list (entry node × producers + producer: a checkpoint record's cursors and
     trained_above, and a checkpoint's "group") split into one tuple per node."""
@@ -188,8 +172,8 @@ def resume_lineage(state: dict | None, lineage: str, source: str = "the checkpoi
 class TrainLedger:
     """A consumer's log: its steps, and for the writing replica the chain of checkpoints.
 
-    The service calls `stepped` after each optimizer step, `checkpoint` around the object it saves (writer
-    only) and `saved` once the save returned (every replica). A save that raised is not `saved`: its seqs
+    The service calls `stepped` after each optimizer step, `checkpoint` for the entry the checkpoint carries
+    (writer only) and `saved` once the save returned (every replica). A save that raised is not `saved`: its seqs
     stay pending and go into the next checkpoint record, whose parent stays the last successful one.
     """
 
@@ -216,24 +200,25 @@ class TrainLedger:
     def stepped(self, step: int, seqs: Sequence[int]) -> None:
         self.log.write("step", {"drafter": self.drafter, "rank": self.rank, "step": step, "seqs": list(seqs)})
 
-    def checkpoint(self, what: Any, trained: dict[int, list[int]], cursors: Sequence[int],
-                   trained_above: Sequence[Sequence[int]], *, producers: int = 1) -> LedgerCheckpoint:
-        """Log the checkpoint about to be written and return `what` carrying the record's id.
+    def checkpoint(self, step: int, trained: dict[int, list[int]], cursors: Sequence[int],
+                   trained_above: Sequence[Sequence[int]], *, producers: int = 1) -> dict:
+        """Log the checkpoint of `step` about to be written; returns its "ledger" entry ({id, lineages}), which
+        the checkpoint carries in trainer_state.pt (atomic with it).
 
         `trained`: every seq the group trained since the previous checkpoint, per node, repeats included.
         `cursors`, `trained_above`: the group cursor after it, per node and producer (flat, see above)."""
         for node, seqs in trained.items():
             self._pending.setdefault(int(node), []).extend(int(s) for s in seqs)
         self._count += 1
-        record_id = f"{self.drafter}:{self.log.incarnation}:{what.step}:{self._count}"
+        record_id = f"{self.drafter}:{self.log.incarnation}:{step}:{self._count}"
         self.log.write("checkpoint", {
-            "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(what.step),
+            "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(step),
             "lineage": self.lineage, "trained": {str(n): s for n, s in sorted(self._pending.items())},
             "producers": producers, "cursors": [int(c) for c in cursors],
             "trained_above": [[int(s) for s in a] for a in trained_above],
         })
         self._attempt = record_id
-        return LedgerCheckpoint(what, record_id, self.lineages)
+        return {"id": record_id, "lineages": list(self.lineages)}
 
     def saved(self, step: int) -> None:
         """The save returned: its record becomes the parent of the next one."""

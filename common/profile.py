@@ -23,6 +23,7 @@ whose end event has completed (`event.query()`, never a wait) into `gpu_timers`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Any
 
@@ -111,6 +112,11 @@ class ProfileStats:
                 for k, g in list(self._gauges.items())
             },
         }
+
+
+def timed(prof: ProfileStats | None, key: str) -> _Timer | contextlib.nullcontext:
+    """`with timed(prof, key):` times into `prof` when there is one (the ProfileStats-or-None sink), else nothing."""
+    return prof.timer(key) if prof else contextlib.nullcontext()
 
 
 class _Timer:

@@ -7,13 +7,14 @@ launch plan exports them with RANK / WORLD_SIZE / LOCAL_RANK, as torchrun would)
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 
 import torch
 
-from common.accounting import LineageError, TrainLedger, ledger_id_of, resume_lineage
+from common.accounting import LineageError, TrainLedger, ledger_id_of
 from common.config import ConfigError, dflash_layer_ids, load_job
 from common.joblock import JobLocked, enter
 from common.profile import ProfileStats
@@ -21,18 +22,13 @@ from common.startup import StartupBeat
 from common.stats import StatsPublisher
 from common.storage import StorageError, check_room
 from common.supervisor import watch_supervisor
-from consumer.checkpoint import (
-    NoIntactCheckpoint,
-    checkpoint_bytes,
-    drafter_shape,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, write_checkpoint
+from consumer.checkpoint_state import restore
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup, StepTrace
+from consumer.export.layout import trainer_export_config
 from consumer.fanin import FanIn
-from consumer.group_cursor import GroupCursor
 from consumer.service import EXIT_GROUP_LOST, ConsumerService, StopSignal
-from consumer.shape import ShapeMismatch, check_shape
+from consumer.shape import ShapeMismatch
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
@@ -166,22 +162,18 @@ def _load(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, pr
 
     try:
         resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
-        if resumed is not None:
-            check_shape(resumed[1], drafter_shape(trainer), cfg.name, resumed[0])  # changed: one line, exit 2
-            trainer.load_state_dict(resumed[1], resumed[0])
-        # a new data.lineage trains a new plan from these weights, from a fresh cursor (common/accounting.py)
-        lineages, same_plan = resume_lineage(resumed[1] if resumed else None, job.data.lineage,
-                                             resumed[0] if resumed else "")
+        where, state = resumed if resumed is not None else ("", None)
+        # the shape, weights, lineages and cursor back into their parts: a changed shape is one line, exit 2
+        restored = restore(state, where, trainer, nnodes=env.nnodes, producers=job.target.replicas,
+                           lineage=job.data.lineage)
     except (NoIntactCheckpoint, NonFiniteCheckpointError, ShapeMismatch, LineageError) as err:
         log.error("%s", err)
         return 2
-    cursor = GroupCursor.fresh(env.nnodes, job.target.replicas)  # one cursor per producer of each node
-    if resumed is not None and not same_plan:
+    cursor, lineages = restored.cursor, restored.lineages  # one cursor per producer of each node
+    if resumed is not None and not restored.same_plan:
         log.info("resumed the weights of %s (step %d) into data lineage %r (after %s): a new plan from seq 0",
-                 resumed[0], trainer.step, lineages[-1], ", ".join(map(repr, lineages[:-1])))
+                 where, trainer.step, lineages[-1], ", ".join(map(repr, lineages[:-1])))
     elif resumed is not None:
-        where, state = resumed
-        cursor = GroupCursor.from_state(state, env.nnodes, job.target.replicas, where)
         log.info("resumed from %s: step %d, next seq per producer %s", where, trainer.step,
                  list(cursor.cursors[env.node_rank]))
     group.broadcast_params(trainer.params)
@@ -203,7 +195,7 @@ def _serve(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, p
                            stopping=lambda: stop.reason is not None, producer=p) for p in range(producers)]
     stream = streams[0] if producers == 1 else FanIn(streams)
     service = ConsumerService(
-        trainer, stream, lambda what: save_checkpoint(ckpt_root, what),
+        trainer, stream, functools.partial(write_checkpoint, ckpt_root, export=trainer_export_config(trainer)),
         group=group, cursor=cursor, checkpoint_every=cfg.checkpoint_every,
         idle_timeout_s=job.transport.heartbeat_interval_s, prof=prof, stats=stats, name=name,
         trace=StepTrace(trace_path, env.rank, env.node_rank) if trace_path else None,

@@ -1,16 +1,17 @@
-"""Checkpoints: the published DFlash export (dflash.md §3) plus the training state, written atomically.
+"""Checkpoints: an export directory (consumer/export/layout.py) plus the training state, written atomically.
 
-    <ckpt_root>/step_<N>/config.json         the drafter config SGLang / vLLM / transformers read
-                         model.safetensors   trained weights only (no embedding, no lm_head), export dtype
-                         dflash.py           modeling file for AutoModel + trust_remote_code
-                         trainer_state.pt    float32 weights, optimizer, scheduler, RNG, last trained seq,
-                                             the drafter's shape (consumer/shape.py)
+    <ckpt_root>/step_<N>/config.json         \
+                         model.safetensors    the export (consumer/export/layout.py)
+                         dflash.py           /
+                         trainer_state.pt    the checkpoint state (consumer/checkpoint_state.py): weights,
+                                             optimizer, scheduler, RNG, step, group cursor, ledger id, shape
                          manifest.json       size and xxh3-128 digest of each file above, written last
     <ckpt_root>/latest -> step_<N>           a relative symlink (a loadable directory), replaced atomically
                                              after the directory is complete (common/checkpoint_pointer.py)
 
-A checkpoint is written into a temporary directory next to its final place, fsynced, then renamed;
-`latest` moves only after that, so a crash at any point leaves the previous checkpoint intact and current.
+This module is the life cycle only: `write_checkpoint` writes a state dict and its export into a temporary
+directory next to its final place, fsyncs, renames, then moves `latest`, so a crash at any point leaves the
+previous checkpoint intact and current; it keeps the newest KEEP_LAST.
 
 Resuming never loads a broken checkpoint silently: `load_latest` checks the manifest (present, every size
 and digest matching), reads trainer_state.pt and checks that the weights and optimizer moments are finite.
@@ -36,96 +37,20 @@ from pathlib import Path
 import torch
 import xxhash
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from common.checkpoint_pointer import LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
-from consumer.model import DrafterArch
+from consumer.checkpoint_state import checkpoint_state
+from consumer.export.layout import EXPORT_FILES, drafter_shape, trainer_export_config, write_export
 from consumer.shape import shape_from_config
-from consumer.target_parts import TargetParts
 
-EXPORT_MODULE = Path(__file__).parent / "export" / "dflash.py"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 DIGEST = "xxh3_128"
-EXPORT_FILES = ("config.json", "model.safetensors", "dflash.py")
 CORRUPT_PREFIX = "corrupt-"
 
 log = logging.getLogger(__name__)
-
-
-def export_config(
-    arch: DrafterArch,
-    parts: TargetParts,
-    *,
-    block_size: int,
-    mask_token_id: int,
-    target_layer_ids: list[int],
-    dtype: str,
-) -> dict:
-    """config.json of the published format ([SF] configs/qwen3-8b-dflash.json, z-lab's drafters).
-
-    RoPE and the per-layer attention kinds are the drafter's own (rope_theta/rope_scaling for SGLang and
-    vLLM, rope_parameters for transformers 5); max_window_layers counts the leading full-attention
-    layers (Qwen2's convention; layer_types is authoritative); is_causal false says every layer is
-    non-causal, sliding ones included, unless the sliding layers' block is causal (then `is_causal` is left
-    out: consumer/sliding_rule.py); the MASK token as its id and its string (SGLang reads both); bos/eos
-    are the target's."""
-    from consumer.mask_token import mask_token_text
-    from consumer.sliding_rule import export_keys as sliding_export_keys
-
-    kinds = list(arch.attention_layers)
-    sliding = "sliding_attention" in kinds
-    scaling = {k: v for k, v in arch.rope_parameters.items() if k != "rope_theta"} if arch.rope_scaling else None
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token_id, "mask_token": mask_token_text(str(parts.path), mask_token_id),
-                          "target_layer_ids": list(target_layer_ids)},
-        "num_target_layers": parts.num_hidden_layers,
-        "num_hidden_layers": arch.num_layers,
-        "layer_types": kinds,
-        "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.intermediate_size,
-        "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": arch.rms_norm_eps,
-        "rope_theta": arch.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": arch.rope_parameters,
-        "max_position_embeddings": parts.max_position_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        **sliding_export_keys(arch.sliding_block_attention, kinds),
-        "initializer_range": 0.02,
-        "use_sliding_window": sliding,
-        "sliding_window": arch.sliding_window,
-        "max_window_layers": kinds.index("sliding_attention") if sliding else arch.num_layers,
-        "tie_word_embeddings": False,
-        "vocab_size": parts.vocab_size,
-        **target_special_tokens(parts.path),
-        "use_cache": True,
-        "dtype": dtype,
-    }
-
-
-def target_special_tokens(path: Path) -> dict:
-    """bos_token_id / eos_token_id of the target: its generation config's (the stop list generate() uses,
-    e.g. Llama 3's three end tokens), else its (text) config's; eos may be a list. Missing ones are left out."""
-    found: dict = {}
-    for name in ("config.json", "generation_config.json"):  # the later file wins
-        file = Path(path) / name
-        if not file.is_file():
-            continue
-        cfg = json.loads(file.read_text())
-        for scope in (cfg, cfg.get("text_config") or {}):
-            found.update({k: scope[k] for k in ("bos_token_id", "eos_token_id") if scope.get(k) is not None})
-    return found
 
 
 def _fsync_file(path: Path) -> None:
@@ -139,17 +64,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: dict) -> None:
-    """config.json + model.safetensors (cast to config['dtype']) + dflash.py into out_dir (which exists)."""
-    dtype = getattr(torch, config["dtype"])
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model_state.items()}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(EXPORT_MODULE, out_dir / "dflash.py")
-    for name in EXPORT_FILES:
-        _fsync_file(out_dir / name)
 
 
 KEEP_LAST = 3  # older step_<N> directories are removed once a newer checkpoint is complete
@@ -167,20 +81,47 @@ def checkpoint_bytes(trainer) -> int:
     return int(1.1 * (held + trained * (DTYPE_BYTES[trainer.cfg.dtype] + 8))) + (1 << 20)
 
 
+def _state_bytes(state: dict, export_dtype: str) -> int:
+    """About what `state` takes on disk written as a checkpoint: every tensor it holds, plus its weights again
+    in the export dtype (checkpoint_bytes from the state instead of the trainer)."""
+    def tensors(obj):
+        if torch.is_tensor(obj):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from tensors(v)
+
+    held = sum(t.numel() * t.element_size() for t in tensors(state))
+    exported = sum(t.numel() for t in state["model"].values()) * DTYPE_BYTES[export_dtype]
+    return int(1.1 * (held + exported)) + (1 << 20)
+
+
 def save_checkpoint(ckpt_root: str | Path, trainer, keep_last: int = KEEP_LAST) -> Path:
-    """Write <ckpt_root>/step_<trainer.step>/ atomically and point `latest` at it; returns its path.
-    Keeps the newest `keep_last` checkpoints, so a long run does not fill the disk.
+    """A lone, unsharded trainer's checkpoint (no group cursor, no ledger record): `write_checkpoint` of its
+    checkpoint_state and export config."""
+    state = checkpoint_state(trainer.state_dict(), shape=drafter_shape(trainer))
+    return write_checkpoint(ckpt_root, state, trainer_export_config(trainer), keep_last)
+
+
+def write_checkpoint(ckpt_root: str | Path, state: dict, export: dict, keep_last: int = KEEP_LAST) -> Path:
+    """Write <ckpt_root>/step_<state["step"]>/ atomically and point `latest` at it; returns its path.
+    `state` (consumer/checkpoint_state.py) becomes trainer_state.pt, its "model" the export with config
+    `export` (consumer/export/layout.py). Keeps the newest `keep_last` checkpoints, so a long run does not
+    fill the disk.
 
     A failed write raises CheckpointWriteError naming the folder, the free space and the checkpoint that
     stays current."""
     root = Path(ckpt_root)
     try:
-        return _save(root, trainer, keep_last)
+        return _write(root, state, export, keep_last)
     except (OSError, SafetensorError, RuntimeError) as err:  # safetensors and torch.save do not raise OSError
-        raise _write_error(root, trainer, err) from err
+        raise _write_error(root, state, export, err) from err
 
 
-def _write_error(root: Path, trainer, err: Exception) -> CheckpointWriteError:
+def _write_error(root: Path, state: dict, export: dict, err: Exception) -> CheckpointWriteError:
     try:
         free = free_bytes(root)
     except OSError:
@@ -188,34 +129,26 @@ def _write_error(root: Path, trainer, err: Exception) -> CheckpointWriteError:
     code = getattr(err, "errno", None)
     if code is None:  # "... (os error 28)" from safetensors; nothing at all from torch.save's "file write failed"
         found = re.search(r"os error (\d+)", str(err))
-        code = int(found[1]) if found else errno.ENOSPC if free is not None and free < checkpoint_bytes(trainer) \
-            else errno.EIO
+        full = free is not None and free < _state_bytes(state, export["dtype"])
+        code = int(found[1]) if found else errno.ENOSPC if full else errno.EIO
     current = read_pointer(root) or "none"
     reason = os.strerror(code) if code != errno.EIO else f"{type(err).__name__}: {err}"
     room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
-    return CheckpointWriteError(code, f"cannot write checkpoint step_{trainer.step} in {root}: {reason} ({room});"
+    return CheckpointWriteError(code, f"cannot write checkpoint step_{state['step']} in {root}: {reason} ({room});"
                                       f" the previous checkpoint ({current}) is intact and stays current")
 
 
-def _save(root: Path, trainer, keep_last: int) -> Path:
+def _write(root: Path, state: dict, export: dict, keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{trainer.step}"
+    name = f"step_{state['step']}"
     final = root / name
-    config = export_config(
-        trainer.arch,
-        trainer.parts,
-        block_size=trainer.cfg.block_size,
-        mask_token_id=trainer.mask_token_id,
-        target_layer_ids=trainer.target_layer_ids,
-        dtype=trainer.cfg.dtype,
-    )
-    state = {**trainer.state_dict(), "shape": drafter_shape(trainer)}  # checked at resume (check_shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None
     try:
-        write_export(tmp, state["model"], config)
+        write_export(tmp, state["model"], export)
         torch.save(state, tmp / STATE_FILE)
-        _fsync_file(tmp / STATE_FILE)
+        for file in (*EXPORT_FILES, STATE_FILE):
+            _fsync_file(tmp / file)
         write_manifest(tmp, (*EXPORT_FILES, STATE_FILE))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. on shutdown right after a periodic save)
@@ -402,12 +335,3 @@ def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
     write_pointer(root, ckpt.path.name)
     log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
     return ckpt
-
-
-
-def drafter_shape(trainer) -> dict:
-    """The shape keys of `trainer` (consumer/shape.py), as save_checkpoint records them in trainer_state.pt."""
-    config = export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                           mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                           dtype=trainer.cfg.dtype)
-    return {**shape_from_config(config), "optimizer": type(trainer.optimizer).__name__}

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,20 @@ BUCKET_BYTES = 64 << 20  # gradients are summed in flat buckets of at most this 
 
 class GroupError(RuntimeError):
     """The replica group cannot go on: a member died or timed out, or the environment is inconsistent."""
+
+
+T = TypeVar("T")
+
+
+def collective(who: str, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+    """fn(), a torch.distributed collective; its RuntimeError (a peer closed the connection, the group timeout
+    ran out) becomes a GroupError saying who failed during what."""
+    try:
+        return fn()
+    except RuntimeError as err:
+        late = f"one did not reach it within {timeout_s:.0f} s" if timeout_s else "one timed out"
+        raise GroupError(f"{who}: the group failed during {what} (a replica died, or {late}):"
+                         f" {str(err).splitlines()[0][:300]}") from err
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -123,7 +138,6 @@ class ReplicaGroup:
         self.prof = prof
         self.bucket_bytes = bucket_bytes
         self.initialised = False
-        self._before_checkpoint: Callable[[], None] | None = None  # FSDP: the trainer's collective gather
         if env.world_size == 1:
             return
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -152,14 +166,8 @@ class ReplicaGroup:
         """Global rank 0 alone writes checkpoints."""
         return self.env.rank == 0
 
-    def _collective(self, what: str, fn: Callable[[], object]):
-        try:
-            return fn()
-        except RuntimeError as err:
-            raise GroupError(
-                f"rank {self.rank} of {self.world_size}: the group failed during {what} (a replica died, or"
-                f" one did not reach it within {self.timeout_s:.0f} s): {str(err).splitlines()[0][:300]}"
-            ) from err
+    def _collective(self, what: str, fn: Callable[[], T]) -> T:
+        return collective(f"rank {self.rank} of {self.world_size}", what, fn, self.timeout_s)
 
     def shard(self, trainer) -> None:
         """distributed = "fsdp": the trainer's weights, gradients and Adam moments sharded over the group
@@ -173,7 +181,6 @@ class ReplicaGroup:
         self.broadcast_params(trainer.params)
         mesh = self._collective("the FSDP mesh set-up", lambda: init_device_mesh(self.device.type, (self.world_size,)))
         trainer.shard(mesh)
-        self._before_checkpoint = trainer.gather_full_state
         log.info("drafter %s: FSDP2 over %d replicas (%s)", trainer.cfg.name, self.world_size, self.device.type)
 
     def sync_round(self, mine: RoundFlags) -> RoundFlags:
@@ -254,12 +261,8 @@ class ReplicaGroup:
         return got["where"], got["state"]
 
     def gather_trained(self, seqs: list[int]) -> dict[int, list[int]]:
-        """Every replica's trained seqs, merged per node (each replica gets the same answer).
-
-        This is the collective that opens every checkpoint (ConsumerService._save), so under FSDP the
-        trainer's full state is gathered here too: gathering it is collective, writing it is rank 0's."""
-        if self._before_checkpoint is not None:
-            self._before_checkpoint()
+        """Every replica's trained seqs, merged per node (each replica gets the same answer): the collective
+        that opens every checkpoint (ConsumerService._save)."""
         node = self.env.node_rank
         if self.world_size == 1:
             return {node: list(seqs)}
@@ -299,7 +302,7 @@ def _buckets(tensors: list[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------------------------------------- step trace
 class StepTrace:
     """One JSON line per optimizer step: seqs and sample ids this replica trained in it, and a digest of
     its parameters. For tests and debugging (replicas compare digests); costs a device sync per step.

@@ -1,4 +1,4 @@
-"""What a drafter's replica group has trained: one cursor per (node, producer), and the checkpoint it goes into.
+"""What a drafter's replica group has trained: one cursor per (node, producer).
 
 The cursor is computed from the exact sets of seqs the replicas trained in completed steps (the
 `gather_trained` collective of consumer/distributed.py); each HELLO to producer p resumes p from its own
@@ -137,24 +137,3 @@ class GroupCursor:
             cursors.append(tuple(new_c))
             above.append(tuple(new_a))
         return GroupCursor(producers, tuple(cursors), tuple(above))
-
-
-class GroupCheckpoint:
-    """What save_checkpoint writes for a group: the trainer's state plus the group's cursor.
-
-    `last_seq` becomes node 0's lowest untrained seq - 1 (every seq up to it trained), its meaning for one replica.
-    """
-
-    def __init__(self, trainer, cursor: GroupCursor, world_size: int):
-        self._trainer = trainer
-        self._group = {**cursor.to_state(), "world_size": world_size}
-        self._last_seq = cursor.node_cursor(0) - 1
-
-    def __getattr__(self, name: str):  # arch, parts, cfg, step, model, ...: the trainer's
-        return getattr(self._trainer, name)
-
-    def state_dict(self) -> dict:
-        return {**self._trainer.state_dict(), "group": self._group, "last_seq": self._last_seq}
-
-
-# ---------------------------------------------------------------------------------------------- step trace

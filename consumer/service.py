@@ -22,8 +22,10 @@ from common.accounting import TrainLedger
 from common.profile import ProfileStats
 from common.startup import StartupBeat
 from common.supervisor import STOP_SIGNALS, stop_reason
+from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
-from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.export.layout import drafter_shape
+from consumer.group_cursor import GroupCursor
 from consumer.stream import (
     BatchStream,
     ConsumerRejected,
@@ -67,7 +69,7 @@ class ConsumerService:
         self,
         trainer: Trainer,
         stream: BatchStream,
-        save_checkpoint: Callable[[GroupCheckpoint], None],
+        save_checkpoint: Callable[[dict], None],
         *,
         group: ReplicaGroup,
         cursor: GroupCursor,
@@ -81,7 +83,7 @@ class ConsumerService:
         stop: StopSignal | None = None,
         beat: StartupBeat | None = None,
     ):
-        """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
+        """`save_checkpoint(state)` writes a checkpoint_state dict atomically; the caller binds where.
         `cursor` is where the group resumes (from its checkpoint, or fresh), one per producer of each node:
         `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p."""
         self.trainer = trainer
@@ -267,19 +269,22 @@ class ConsumerService:
 
     # ------------------------------------------------------------------------------------ checkpoints, end
     def _save(self, reason: str) -> None:
-        """Collective: every replica reports what it trained; global rank 0 alone writes."""
+        """Collective: every replica reports what it trained and (under FSDP) gathers the full state; global
+        rank 0 alone writes."""
         start = time.perf_counter()
         trained = self.group.gather_trained(self._trained)
+        trainer_state = self.trainer.gather_state(keep=self.group.is_writer)  # collective under FSDP
         self.cursor = self.cursor.advance(trained)
         self._trained = []
         self._saved_step = self.trainer.step
         if self.group.is_writer:
-            what = GroupCheckpoint(self.trainer, self.cursor, self.group.world_size)
+            entry = None
             if self.ledger:  # logs the seqs this checkpoint adds; the checkpoint carries the record's id
-                state = self.cursor.to_state()
-                what = self.ledger.checkpoint(what, trained, state["cursors"], state["trained_above"],
-                                              producers=self.cursor.producers)
-            self.save_checkpoint(what)
+                cursor = self.cursor.to_state()
+                entry = self.ledger.checkpoint(self.trainer.step, trained, cursor["cursors"], cursor["trained_above"],
+                                               producers=self.cursor.producers)
+            self.save_checkpoint(checkpoint_state(trainer_state, shape=drafter_shape(self.trainer), cursor=self.cursor,
+                                                  world_size=self.group.world_size, ledger=entry))
             log.info("%s: checkpoint at step %d (resume at seqs %s per node and producer, %s) in %.2f s", self.name,
                      self.trainer.step, [list(c) for c in self.cursor.cursors], reason, time.perf_counter() - start)
         if self.ledger:

@@ -7,6 +7,10 @@ normalises by Σw over all its batches (dflash.md §2: Σ w·CE / Σ w), clips, 
 Nothing here synchronises with the device except on log steps: a non-finite loss or gradient is
 detected on the device and the fused AdamW skips its update through `found_inf` (the GradScaler
 protocol); the skip counters are read, logged and checked against max_nonfinite_steps on log steps.
+
+Sharded (distributed = "fsdp", `shard`): batches wait for the step, which runs them in lockstep with the
+group (consumer/fsdp_lockstep.py). A checkpoint's trainer part is `state_dict()`, or under FSDP
+`gather_state()`, which every replica calls together (consumer/checkpoint_state.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from torch import Tensor
 
 from common.config import DataConfig, DrafterConfig
 from common.host_memory import keep_freed_memory
-from consumer.distributed import GroupError
+from common.profile import timed
+from consumer.checkpoint_state import cpu_copy
+from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
@@ -53,15 +59,45 @@ def lr_factor(step: int, total_steps: int, warmup_frac: float, min_lr_ratio: flo
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _cpu_copy(obj):
-    """A snapshot: every tensor copied to the CPU, so training on never changes a state already taken."""
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
+@dataclasses.dataclass(frozen=True)
+class SkipCounts:
+    """The non-finite skip bookkeeping as read on a log step."""
+
+    skipped: int  # optimizer steps skipped in all
+    run: int  # skipped in a row now (0 after a good step)
+    longest: int  # the longest run since the last read
+    first_seq: int  # seq of the current run's first skipped step
+    last_seq: int  # seq of the latest skipped step
+
+
+class SkipCounters:
+    """SkipCounts kept on the device: `update` on every step costs no sync, `read` (log steps) syncs once."""
+
+    def __init__(self, device: torch.device):
+        self._counts = torch.zeros(len(dataclasses.fields(SkipCounts)), dtype=torch.int64, device=device)
+
+    def update(self, bad: Tensor, seq: int) -> None:
+        """One optimizer step closed with batch `seq`; `bad`: a device bool, whether it was skipped."""
+        skipped, run, longest, first_seq, last_seq = self._counts.unbind()
+        b = bad.long()
+        run = (run + 1) * b  # consecutive skipped steps, 0 after a good one
+        self._counts.copy_(torch.stack([skipped + b, run, torch.maximum(longest, run),
+                                        torch.where(run == 1, seq, first_seq), torch.where(bad, seq, last_seq)]))
+
+    def read(self) -> SkipCounts:
+        """The counts (one device sync); the window's longest run restarts from the current one."""
+        counts = SkipCounts(*self._counts.tolist())
+        self._counts[2] = counts.run
+        return counts
+
+    def skipped(self) -> int:
+        """Steps skipped in all (one device sync: for checkpoints)."""
+        return int(self._counts[0])
+
+    def restart(self, skipped: int) -> None:
+        """As after `skipped` skipped steps and a good one (a resumed run)."""
+        self._counts.zero_()
+        self._counts[0] = skipped
 
 
 class Trainer:
@@ -108,13 +144,10 @@ class Trainer:
         self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
                                                   len(set(self.arch.attention_layers))), prof) if self.use_flex else None
         self._build_optimizer()
-        self.mesh = None  # FSDP2's device mesh once `shard` ran: parameters are DTensor shards
-        self._deferred: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # FSDP: batches of the open step
-        self._full_state: tuple[int, dict, dict, Tensor] | None = None  # FSDP: (step, model, optim, rngs)
+        self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
         self.metrics = DraftMetrics(cfg.block_size, self.device)
-        # device-side skip bookkeeping: [skipped total, current run, longest run since read, run's first seq, last seq]
-        self._nonfinite = torch.zeros(5, dtype=torch.int64, device=self.device)
+        self.nonfinite = SkipCounters(self.device)  # steps skipped for a non-finite loss or gradient
         self._nonfinite_logged = 0
         self._pending_loss = torch.zeros((), device=self.device)
         self._pending_weight = torch.zeros((), device=self.device)
@@ -145,113 +178,22 @@ class Trainer:
             ),
         )
 
-    # ------------------------------------------------------------------------------------------ FSDP2
+    @property
+    def mesh(self):
+        """FSDP2's device mesh once `shard` ran, else None."""
+        return self.fsdp.mesh if self.fsdp is not None else None
+
     def shard(self, mesh) -> None:
-        """FSDP2 (`fully_shard`) over `mesh`: each decoder layer and the root are sharded units, so a replica
-        holds 1/world of the weights, gradients and Adam moments. Call on every replica, before any step or
-        state load, with identical weights everywhere (the group broadcasts them first).
-
-        The step keeps its meaning: reduce-scatter SUMS the gradients (divide factor 1; the step divides by
-        the group's Σw as without sharding), clipping sees the global norm, the checkpoint holds full tensors
-        in the unsharded format. What changes: FSDP's forward is collective, so a replica cannot run a batch
-        when it arrives; `accumulate` keeps it and `optimizer_step` runs the step's batches in lockstep, a
-        replica with fewer batches running zero-weight stand-ins (see `_run_deferred`)."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
+        """FSDP2 over `mesh` (consumer/fsdp_lockstep.py): a replica holds 1/world of the weights, gradients and
+        Adam moments; batches wait for the step, which runs them in lockstep with the group. Call on every
+        replica, before any step or state load, with identical weights everywhere."""
         if self.step or self._pending_tokens:
             raise RuntimeError(f"drafter {self.cfg.name}: shard() after training started")
-        for layer in self.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # a sum, as the unsharded group's all-reduce,
-                module.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
-        self.mesh = mesh
-        self._dummy_generator = torch.Generator(device=self.device)
+        self.fsdp = FsdpLockstep.shard(self.model, mesh, self.cfg.name, block_size=self.cfg.block_size,
+                                       width=self.arch.num_features * self.arch.hidden_size, device=self.device)
         self._build_optimizer()
 
-    def _collective(self, what: str, fn: Callable[[], object]):
-        try:
-            return fn()
-        except RuntimeError as err:
-            raise GroupError(f"drafter {self.cfg.name}: the replica group failed during {what} (a replica died"
-                             f" or timed out): {str(err).splitlines()[0][:300]}") from err
-
-    def _run_deferred(self) -> None:
-        """FSDP: forward + backward of this replica's batches of the step, in lockstep with the group. Every
-        replica runs as many passes as the one with the most batches; the missing ones are stand-ins of
-        zero weight (their own generator: the anchor RNG stays what it is without sharding). Gradients are
-        reduce-scattered once, after the last pass."""
-        import torch.distributed as dist
-
-        count = torch.tensor([len(self._deferred)], dtype=torch.int64)
-        self._collective("the batch-count all-reduce",
-                         lambda: dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.get_group()))
-        passes = int(count)
-        for i in range(passes):
-            self.model.set_requires_gradient_sync(i == passes - 1)
-            if i < len(self._deferred):
-                self._collective("an FSDP forward/backward", lambda i=i: self._forward_backward(*self._deferred[i]))
-            else:
-                self._collective("an FSDP forward/backward", self._stand_in_pass)
-        self._deferred.clear()
-
-    def _stand_in_pass(self) -> None:
-        T = 2 * self.cfg.block_size
-        hidden = torch.zeros(T, self.arch.num_features * self.arch.hidden_size, device=self.device)
-        ids = torch.zeros(T, dtype=torch.int64, device=self.device)
-        self._forward_backward(hidden, ids, torch.ones(T, dtype=torch.uint8),
-                               torch.tensor([0, T], dtype=torch.int32), stand_in=True)
-
-    def gather_full_state(self) -> None:
-        """FSDP: every replica calls this together before a checkpoint (ReplicaGroup.gather_trained does):
-        the full weights and Adam moments, gathered tensor by tensor to the CPU, in the unsharded format, and
-        every replica's anchor RNG (each drew for its own batches: a bit-exact resume needs them all).
-        Only rank 0 (the writer) keeps the result, until `state_dict` hands it over once."""
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
-        keep = self.mesh.get_local_rank() == 0
-
-        def full(t):
-            t = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every replica takes part
-            return _cpu_copy(t) if keep else None
-
-        def gather():
-            model = {k: full(v) for k, v in self.model.state_dict().items()}
-            optim = self.optimizer.state_dict()
-            optim = {**optim, "state": {i: {k: full(v) for k, v in st.items()} for i, st in optim["state"].items()}}
-            rngs = [torch.empty_like(self._rng_at_step) for _ in range(self.mesh.size())]
-            dist.all_gather(rngs, self._rng_at_step, group=self.mesh.get_group())
-            return model, _cpu_copy(optim), torch.stack(rngs)
-
-        gathered = self._collective("the checkpoint gather", gather)
-        self._full_state = (self.step, *gathered) if keep else None
-
-    def _load_sharded(self, model: dict, optim: dict) -> None:
-        """FSDP: cut this replica's shards out of full tensors (every replica holds the same full state)."""
-        from torch.distributed.tensor import distribute_tensor
-
-        def shard_like(full: Tensor, p) -> Tensor:
-            return distribute_tensor(full.to(self.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-
-        names = dict(self.model.named_parameters())
-        if set(names) != set(model):
-            raise ValueError(f"drafter {self.cfg.name}: checkpoint weights {sorted(set(model) ^ set(names))[:4]}"
-                             " do not match this drafter's")
-        with torch.no_grad():
-            for name, p in names.items():
-                p.copy_(shard_like(model[name], p))
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        state = {i: {k: shard_like(v, params[i]) if torch.is_tensor(v) and v.shape == params[i].shape and v.ndim
-                     else v for k, v in st.items()} for i, st in optim["state"].items()}
-        self.optimizer.load_state_dict({**optim, "state": state})
-
     # ------------------------------------------------------------------------------------------ training
-    def _timer(self, name: str):
-        return self.prof.timer(name) if self.prof else contextlib.nullcontext()
-
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -293,15 +235,16 @@ class Trainer:
         if self.prof:
             self.prof.count("tokens", T)
             self.prof.count("batches", 1)
-        if self.mesh is not None:  # FSDP: run in lockstep with the group at optimizer_step
-            self._deferred.append((hidden.clone(), input_ids.clone(), loss_mask.clone(), cu_seqlens.clone()))
+        if self.fsdp is not None:  # FSDP: run in lockstep with the group at optimizer_step
+            self.fsdp.defer((hidden, input_ids, loss_mask, cu_seqlens))
             return
         self._forward_backward(hidden, input_ids, loss_mask, cu_seqlens)
 
     def _forward_backward(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
-                          stand_in: bool = False) -> None:
+                          stand_in: torch.Generator | None = None) -> None:
+        """stand_in: FSDP's zero-weight pass of a replica without a batch, its anchors drawn from this generator."""
         cfg, dev = self.cfg, self.device
-        with self._timer("anchors"):
+        with timed(self.prof, "anchors"):
             input_ids = input_ids.to(dev, torch.int64, non_blocking=True)
             hidden = hidden.to(dev, non_blocking=True)
             if self.autocast_dtype is None:
@@ -314,20 +257,20 @@ class Trainer:
                 block_size=cfg.block_size,
                 mask_token_id=self.mask_token_id,
                 gamma=cfg.loss_gamma,
-                generator=self._dummy_generator.manual_seed(0) if stand_in else self.generator,
+                generator=stand_in if stand_in is not None else self.generator,
                 partial_blocks=cfg.partial_blocks,
                 max_anchors=self.max_anchors,
             )
             masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex,
                                     kernel=self.flex, sliding_block_attention=self.arch.sliding_block_attention)
-        with self._timer("forward"), self._autocast():
+        with timed(self.prof, "forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             loss_sum, correct = chunked_lm_head_loss(
                 h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
             )
-        with self._timer("backward"):
-            (loss_sum * 0.0 if stand_in else loss_sum).backward()  # a stand-in adds zero to every gradient
-        if stand_in:
+        with timed(self.prof, "backward"):
+            (loss_sum * 0.0 if stand_in is not None else loss_sum).backward()  # a stand-in adds zero everywhere
+        if stand_in is not None:
             return
         self._pending_loss += loss_sum.detach()
         self._pending_weight += batch.weights.sum()
@@ -340,11 +283,11 @@ class Trainer:
 
         `grad_sync`, when set, sums the gradients, Σw and Σw·CE over the replica group first.
         """
-        if self.mesh is not None:
-            self._run_deferred()
+        if self.fsdp is not None:
+            self.fsdp.run_passes(self.model, self._forward_backward)
         if self.grad_sync is not None:
             self.grad_sync(self.params, self._pending_weight, self._pending_loss)
-        with self._timer("optimizer"):
+        with timed(self.prof, "optimizer"):
             self._optimizer_step(seq)
         return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
@@ -353,26 +296,14 @@ class Trainer:
         grads = [p.grad for p in self.params]
         torch._foreach_mul_(grads, inv_weight)
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
-        if self.mesh is not None:  # a replicated DTensor: the same global norm on every replica
+        if self.fsdp is not None:  # a replicated DTensor: the same global norm on every replica
             self._grad_norm = self._grad_norm.full_tensor()
         bad = ~(torch.isfinite(self._grad_norm) & torch.isfinite(self._pending_loss))
         self.optimizer.found_inf = bad.float()  # fused AdamW skips the whole update when set
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        nf, b = self._nonfinite, bad.long()
-        run = (nf[1] + 1) * b  # consecutive skipped steps, 0 after a good one
-        self._nonfinite.copy_(
-            torch.stack(
-                [
-                    nf[0] + b,
-                    run,
-                    torch.maximum(nf[2], run),
-                    torch.where(run == 1, seq, nf[3]),  # first seq of the current run
-                    torch.where(bad, seq, nf[4]),  # latest skipped seq
-                ]
-            )
-        )
+        self.nonfinite.update(bad, seq)
         self._pending_loss.zero_()
         self._pending_weight.zero_()
         self.step += 1
@@ -383,8 +314,8 @@ class Trainer:
 
     def _read_metrics(self) -> dict[str, float]:
         """Log steps only: the one place that synchronises."""
-        skipped, run, longest, first_bad, last_bad = self._nonfinite.tolist()
-        self._nonfinite[2] = run  # the window's longest run restarts from the current one
+        counts = self.nonfinite.read()
+        skipped = counts.skipped
         if skipped > self._nonfinite_logged:
             log.warning(
                 "drafter %s: skipped %d optimizer step(s) with a non-finite loss or gradient since the last"
@@ -392,10 +323,10 @@ class Trainer:
                 self.cfg.name,
                 skipped - self._nonfinite_logged,
                 skipped,
-                last_bad,
+                counts.last_seq,
             )
             self._nonfinite_logged = skipped
-        if longest >= self.cfg.max_nonfinite_steps:
+        if counts.longest >= self.cfg.max_nonfinite_steps:
             bad_weights = self.non_finite_params()
             cause = (
                 f" The drafter's own weights are non-finite ({', '.join(bad_weights[:3])}), so every step fails"
@@ -404,9 +335,9 @@ class Trainer:
                 " the usual cause; check the target's dtype and the batches at those seqs."
             )
             raise NonFiniteTrainingError(
-                f"drafter {self.cfg.name}: {longest} optimizer steps in a row had a non-finite loss or"
-                f" gradient (max_nonfinite_steps={self.cfg.max_nonfinite_steps}), from batch seq {first_bad}"
-                f" to seq {last_bad}.{cause}"
+                f"drafter {self.cfg.name}: {counts.longest} optimizer steps in a row had a non-finite loss or"
+                f" gradient (max_nonfinite_steps={self.cfg.max_nonfinite_steps}), from batch seq {counts.first_seq}"
+                f" to seq {counts.last_seq}.{cause}"
             )
         out = self.metrics.read()
         out.update(
@@ -423,21 +354,29 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-for-bit, as of the last completed step
-        (batches accumulated since then are not in it: resume replays them from last_seq + 1).
-        Under FSDP: the full state `gather_full_state` took at this step (gathering is collective)."""
-        sharded = {}
-        if self.mesh is None:
-            model, optim = self.model.state_dict(), self.optimizer.state_dict()
-        elif self._full_state is None or self._full_state[0] != self.step:
-            raise RuntimeError(f"drafter {self.cfg.name}: no full FSDP state gathered at step {self.step}: every"
-                               " replica calls gather_full_state() before a checkpoint, and rank 0 takes it once")
-        else:
-            _, model, optim, rngs = self._full_state
-            self._full_state = None  # handed over: a full copy of the state is not kept between checkpoints
-            sharded = {"rng_replicas": rngs}  # [world, n]: replica r's anchor RNG in row r
-        return _cpu_copy(
+        (batches accumulated since then are not in it: resume replays them from last_seq + 1), on the CPU.
+        Unsharded only: under FSDP the full state is gathered by every replica together (`gather_state`)."""
+        if self.fsdp is not None:
+            raise RuntimeError(f"drafter {self.cfg.name}: sharded (FSDP): the full state is gathered with every"
+                               " replica, by gather_state()")
+        return self._state(self.model.state_dict(), self.optimizer.state_dict())
+
+    def gather_state(self, keep: bool) -> dict | None:
+        """state_dict() for the process that keeps it (`keep`: the checkpoint writer), None for the others.
+        Under FSDP a collective that every replica calls together: the full weights and Adam moments, and
+        every replica's anchor RNG ("rng_replicas", row r replica r's), gathered to the CPU."""
+        if self.fsdp is None:
+            return self.state_dict() if keep else None
+        gathered = self.fsdp.gather_full_state(self.model, self.optimizer, self._rng_at_step, keep)
+        if gathered is None:
+            return None
+        model, optim, rngs = gathered
+        return self._state(model, optim, rng_replicas=rngs)
+
+    def _state(self, model: dict, optim: dict, **extra) -> dict:
+        return cpu_copy(
             {
-                **sharded,
+                **extra,
                 "model": model,
                 "optimizer": optim,
                 "scheduler": self.scheduler.state_dict(),
@@ -445,7 +384,7 @@ class Trainer:
                 "last_seq": self.last_seq,
                 "step": self.step,
                 "tokens": self.tokens,
-                "nonfinite_skipped": int(self._nonfinite[0]),
+                "nonfinite_skipped": self.nonfinite.skipped(),
                 "block_size": self.cfg.block_size,
                 "target_layer_ids": list(self.target_layer_ids),
             }
@@ -454,7 +393,7 @@ class Trainer:
     def non_finite_params(self) -> list[str]:
         """Names of the parameters holding NaN/Inf (one device sync: for error paths only; under FSDP this
         replica's shards)."""
-        local = {name: p.to_local() if self.mesh is not None else p for name, p in self.model.named_parameters()}
+        local = {name: p.to_local() if self.fsdp is not None else p for name, p in self.model.named_parameters()}
         return [name for name, p in local.items() if not bool(torch.isfinite(p).all())]
 
     def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
@@ -470,24 +409,22 @@ class Trainer:
                 f"drafter {self.cfg.name}: the weights loaded from {source} are non-finite"
                 f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); resume from an earlier checkpoint"
             )
-        if self.mesh is not None:
-            self._load_sharded(state["model"], state["optimizer"])
+        if self.fsdp is not None:
+            self.fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))  # never shares the caller's tensors
+            self.optimizer.load_state_dict(cpu_copy(state["optimizer"]))  # never shares the caller's tensors
         self.scheduler.load_state_dict(state["scheduler"])
-        rng = state["rng"]
-        if self.mesh is not None and len(state.get("rng_replicas", ())) == self.mesh.size():
-            rng = state["rng_replicas"][self.mesh.get_local_rank()].clone()  # its own anchor stream (a copy:
-            # set_state on a row view of the stacked tensor crashed the process)
+        own = self.fsdp.own_rng(state) if self.fsdp is not None else None
+        rng = own if own is not None else state["rng"]  # under FSDP, its own anchor stream
         self.generator.set_state(rng)
         self._rng_at_step = rng.clone()
         self.last_seq, self.step, self.tokens = state["last_seq"], state["step"], state["tokens"]
-        self._nonfinite.zero_()
-        self._nonfinite[0] = state["nonfinite_skipped"]
+        self.nonfinite.restart(state["nonfinite_skipped"])
         self._nonfinite_logged = state["nonfinite_skipped"]
         self.optimizer.zero_grad(set_to_none=True)
         self._pending_loss.zero_()
         self._pending_weight.zero_()
         self._pending_tokens = 0
-        self._deferred.clear()
+        if self.fsdp is not None:
+            self.fsdp.deferred.clear()

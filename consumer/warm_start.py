@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from common.checkpoint_pointer import read_pointer
 from common.config import dflash_layer_ids
-from consumer.checkpoint import export_config
+from consumer.export.layout import export_config
 from consumer.sliding_rule import SlidingRuleError, served_rule
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig
 from common.host_memory import keep_freed_memory
 from common.packed_batch import FIELDS, PackedBatch, required_slot_bytes, slot_items
-from common.profile import ProfileStats
+from common.profile import ProfileStats, timed
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
@@ -178,7 +178,7 @@ class ProducerService:
             if self._stream is not None:
                 self._stream.close()  # stops its tokenizer thread
             self._stream = self.batches_from(seq)
-        with self._timer("data"):
+        with timed(self.prof, "data"):
             batch = next(self._stream)
         if batch.seq != seq:
             raise RuntimeError(f"batch stream gave seq {batch.seq}, expected {seq}: the batch plan is not deterministic")
@@ -189,9 +189,9 @@ class ProducerService:
         tokens, seqs = int(batch.input_ids.shape[0]), int(batch.cu_seqlens.shape[0]) - 1
         layout = slot_layout(tokens, seqs, self.target.feature_width, self.feature_dtype)
         views = self.ring.begin_write(slot, layout)  # the seq tag is invalid from here on
-        with self._timer("forward"):
+        with timed(self.prof, "forward"):
             self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
-        with self._timer("write_slot"):
+        with timed(self.prof, "write_slot"):
             from_host = {f.name: getattr(batch, f.name) for f in FIELDS if f.name != "hidden"}
             self.ring.end_write(slot, views, from_host, batch.seq)
         while not self.ring.is_written(slot):  # CUDA: poll the event, keep serving messages meanwhile
@@ -422,9 +422,6 @@ class ProducerService:
 
         for sig in STOP_SIGNALS:  # SIGHUP too (a closed SSH session); SIGTERM also when launch.sh dies
             signal.signal(sig, stop)
-
-    def _timer(self, key: str):
-        return self.prof.timer(key) if self.prof else contextlib.nullcontext()
 
     def _timed_wait(self, key: str) -> None:
         start = time.perf_counter()

@@ -69,13 +69,13 @@ class FakeConsumer:
         self.ledger.stepped(self.trainer.step, [seq])
 
     def save(self, fail=False):
-        what = self.ledger.checkpoint(self.trainer, {0: self.since_save}, [max(self.since_save) + 1], [[]])
+        entry = self.ledger.checkpoint(self.trainer.step, {0: self.since_save}, [max(self.since_save) + 1], [[]])
         self.since_save = []
         if fail:  # ENOSPC before the rename: nothing on disk, `saved` never called
             return
         name = f"step_{self.trainer.step}"
         (self.ckpts / name).mkdir(parents=True, exist_ok=True)
-        torch.save(what.state_dict(), self.ckpts / name / "trainer_state.pt")
+        torch.save({**self.trainer.state_dict(), "ledger": entry}, self.ckpts / name / "trainer_state.pt")
         (self.ckpts / "latest").write_text(name + "\n")
         self.ledger.saved(self.trainer.step)
 
@@ -191,9 +191,9 @@ def test_two_nodes_without_a_shared_folder_are_checked_together(tmp_path):
         p.close()
     consumer = TrainLedger(node_dirs[0], "d0", 0, 2, base=None, base_step=0)
     consumer.trainer = FakeTrainer(2)
-    what = consumer.checkpoint(consumer.trainer, {0: [0, 1], 1: [0, 1]}, [2, 2], [[], []])
+    entry = consumer.checkpoint(consumer.trainer.step, {0: [0, 1], 1: [0, 1]}, [2, 2], [[], []])
     (node_dirs[0] / "checkpoints" / "d0" / "step_2").mkdir(parents=True)
-    torch.save(what.state_dict(), node_dirs[0] / "checkpoints" / "d0" / "step_2" / "trainer_state.pt")
+    torch.save({**consumer.trainer.state_dict(), "ledger": entry}, node_dirs[0] / "checkpoints" / "d0" / "step_2" / "trainer_state.pt")
     (node_dirs[0] / "checkpoints" / "d0" / "latest").write_text("step_2\n")
     consumer.saved(2)
     consumer.close()

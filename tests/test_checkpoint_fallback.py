@@ -22,13 +22,15 @@ from consumer.checkpoint import (
     MANIFEST,
     STATE_FILE,
     NoIntactCheckpoint,
-    drafter_shape,
     load_latest,
     resume_checkpoint,
     save_checkpoint,
+    write_checkpoint,
     write_manifest,
 )
-from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.checkpoint_state import Restored, checkpoint_state, restore
+from consumer.export.layout import drafter_shape, trainer_export_config
+from consumer.group_cursor import GroupCursor
 from consumer.shape import ShapeMismatch, check_shape
 from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, NonFiniteTrainingError, Trainer
@@ -188,9 +190,10 @@ def test_fallback_keeps_the_exactly_once_lineage(setup, tmp_path):
                 ledger.stepped(trainer.step, [s])
             cursor = cursor.advance({0: list(pair)})
             state = cursor.to_state()
-            what = ledger.checkpoint(GroupCheckpoint(trainer, cursor, 1), {0: list(pair)}, state["cursors"],
-                                     state["trained_above"], producers=state["producers"])
-            save_checkpoint(root, what)
+            entry = ledger.checkpoint(trainer.step, {0: list(pair)}, state["cursors"], state["trained_above"],
+                                      producers=state["producers"])
+            write_checkpoint(root, checkpoint_state(trainer.state_dict(), shape=drafter_shape(trainer), cursor=cursor,
+                                                    ledger=entry), trainer_export_config(trainer))
             ledger.saved(trainer.step)
         ledger.close()
 
@@ -260,3 +263,26 @@ def test_a_checkpoint_from_before_recorded_shapes_is_checked_against_its_config_
     with pytest.raises(ShapeMismatch, match="was trained with num_layers = 1, this job has num_layers = 2"):
         check_shape(old, drafter_shape(_trainer(setup, num_layers=2)), "d0", str(path))
     check_shape(old, drafter_shape(_trainer(setup)), "d0", str(path))
+
+
+def test_restore_gives_each_part_its_entries_back(setup):
+    """What checkpoint_state put in, restore reads back: the trainer's step and weights, the group cursor, the
+    lineages; another data.lineage keeps the weights and starts a fresh cursor; a changed shape is refused
+    before any weight is loaded."""
+    trainer = _trainer(setup)
+    trainer.train_batch(*setup[1], seq=0)
+    cursor = GroupCursor(1, ((5,),), (((7,),),))
+    state = checkpoint_state(trainer.state_dict(), shape=drafter_shape(trainer), cursor=cursor,
+                             ledger={"id": "d0:x:1:1", "lineages": ["main"]})
+    fresh = _trainer(setup)
+    same = restore(state, "step_1", fresh, nnodes=1, producers=1, lineage="main")
+    assert same == Restored(cursor, ["main"], True) and fresh.step == 1 and fresh.last_seq == 4
+    assert all(torch.equal(a, b) for a, b in zip(fresh.params, trainer.params, strict=True))
+    new = restore(state, "step_1", _trainer(setup), nnodes=1, producers=1, lineage="more")
+    assert new == Restored(GroupCursor.fresh(1, 1), ["main", "more"], False)
+    assert restore(None, "", _trainer(setup), nnodes=2, producers=1, lineage="main") == \
+        Restored(GroupCursor.fresh(2, 1), ["main"], True)
+    other = _trainer(setup, num_layers=2)
+    with pytest.raises(ShapeMismatch, match="step_1 was trained with num_layers = 1, this job has num_layers = 2"):
+        restore(state, "step_1", other, nnodes=1, producers=1, lineage="main")
+    assert other.step == 0

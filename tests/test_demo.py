@@ -119,7 +119,7 @@ def test_prepare_cli_prints_only_the_job_path(quick_demo, capsys):
 
 
 def test_evaluate_runs_every_drafter_of_the_job(quick_demo, capsys):
-    from consumer.checkpoint import export_config, write_export
+    from consumer.export.layout import export_config, write_export
     from consumer.model import DFlashDrafter, DrafterArch
     from consumer.target_parts import load_target_parts
 

@@ -13,7 +13,9 @@ from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, t
 
 from common.checkpoint_pointer import write_pointer
 from consumer import checkpoint
-from consumer.checkpoint import export_config, load_latest, save_checkpoint, write_export
+from consumer.checkpoint import load_latest, save_checkpoint
+from consumer.export import layout
+from consumer.export.layout import export_config, write_export
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 
@@ -73,7 +75,7 @@ def test_export_keys_shapes_and_config(trained, tmp_path):
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]) == (64, 128, 4)
     assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["max_position_embeddings"]) == (2, 16, 256)
     assert cfg["rms_norm_eps"] == trainer.parts.rms_norm_eps
-    assert (ckpt / "dflash.py").read_text() == checkpoint.EXPORT_MODULE.read_text()
+    assert (ckpt / "dflash.py").read_text() == layout.EXPORT_MODULE.read_text()
 
 
 def _automodel_logits(path, trainer, features, block):

@@ -11,7 +11,7 @@ from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, t
 from common.profile import ProfileStats
 from consumer.checkpoint import load_latest, save_checkpoint
 from consumer.target_parts import load_target_parts
-from consumer.trainer import NonFiniteTrainingError, Trainer, lr_factor
+from consumer.trainer import NonFiniteTrainingError, SkipCounters, SkipCounts, Trainer, lr_factor
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,19 @@ def test_nonfinite_limit_is_checked_on_log_steps(setup):
     with pytest.raises(NonFiniteTrainingError, match="seq 1 to seq 2"):
         trainer.train_batch(hidden, ids, mask, cu, seq=3)  # step 4: a log step
 
+
+
+def test_skip_counters_count_runs_and_restart_the_window_at_each_read():
+    """The named skip counters (one int64 device tensor): totals, the current run, the longest run since the
+    last read, and the seqs where the current run began and the latest skip was."""
+    counters = SkipCounters(torch.device("cpu"))
+    for seq, bad in [(10, True), (11, True), (12, False), (13, True)]:
+        counters.update(torch.tensor(bad), seq)
+    assert counters.read() == SkipCounts(skipped=3, run=1, longest=2, first_seq=13, last_seq=13)
+    counters.update(torch.tensor(False), 14)
+    assert counters.read() == SkipCounts(skipped=3, run=0, longest=1, first_seq=13, last_seq=13)  # window restarted
+    counters.restart(5)
+    assert counters.skipped() == 5 and counters.read() == SkipCounts(5, 0, 0, 0, 0)
 
 def test_bad_shapes_and_cpu_flex_are_clear_errors(setup):
     parts, (hidden, ids, mask, cu) = setup

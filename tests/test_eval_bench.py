@@ -146,7 +146,7 @@ def assets(tmp_path_factory):
     """A tiny target with a trained BPE tokenizer (Qwen3-like template), and two random drafters on disk:
     one exported by this project, one laid out as z-lab publishes (config keys as in its Qwen3 drafters,
     block size inside dflash_config, other target layers than ours, bf16 model.safetensors, a dflash.py)."""
-    from consumer.checkpoint import export_config, write_export
+    from consumer.export.layout import export_config, write_export
     from consumer.model import DFlashDrafter, DrafterArch
     from consumer.target_parts import load_target_parts
     from demo.tiny import build_tiny_target, train_tokenizer

@@ -175,7 +175,7 @@ def test_a_mismatch_is_reported(target, prompts, monkeypatch):
 
 
 def test_cli_on_saved_target_and_exported_drafter(tmp_path, capsys):
-    from consumer.checkpoint import export_config, write_export
+    from consumer.export.layout import export_config, write_export
     from consumer.target_parts import load_target_parts
     from demo.tiny import build_tiny_target, train_tokenizer
 
@@ -243,8 +243,8 @@ def test_hybrid_wrapper_and_sink_targets_with_a_sliding_drafter(tmp_path, arch):
     import transformers
     from target_zoo import build_target
 
-    from consumer.checkpoint import export_config, write_export
     from consumer.evaluate import load_drafter, load_target
+    from consumer.export.layout import export_config, write_export
     from consumer.target_parts import load_target_parts
 
     path = build_target(arch, tmp_path / "target")

@@ -9,7 +9,7 @@ import torch
 import transformers
 from test_drafter_common import LAYER_IDS, drafter_cfg, target_features, tiny_target
 
-from consumer.checkpoint import export_config, write_export
+from consumer.export.layout import export_config, write_export
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer

@@ -11,8 +11,9 @@ import torch
 
 from common.accounting import DeliveryLedger, TrainLedger
 from common.accounting_check import check_run
+from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupError
-from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.group_cursor import GroupCursor
 from consumer.service import ConsumerService
 
 
@@ -107,14 +108,15 @@ class TwoProducerRun:
         self.cursor = self.cursor.advance({0: trained})
         cursor = claim or self.cursor
         state = cursor.to_state()
-        what = self.ledger.checkpoint(GroupCheckpoint(self.trainer, cursor, 1), {0: trained}, state["cursors"],
-                                      state["trained_above"], producers=state["producers"])
+        entry = self.ledger.checkpoint(self.trainer.step, {0: trained}, state["cursors"], state["trained_above"],
+                                       producers=state["producers"])
+        what = checkpoint_state(self.trainer.state_dict(), shape={}, cursor=cursor, ledger=entry)
         ckpts = self.run / "checkpoints" / "d0"
         (ckpts / f"step_{self.trainer.step}").mkdir(parents=True)
-        torch.save(what.state_dict(), ckpts / f"step_{self.trainer.step}" / "trainer_state.pt")
+        torch.save(what, ckpts / f"step_{self.trainer.step}" / "trainer_state.pt")
         (ckpts / "latest").write_text(f"step_{self.trainer.step}\n")
         self.ledger.saved(self.trainer.step)
-        return what.state_dict()
+        return what
 
 
 def test_accounting_check_reads_the_cursor_per_producer(tmp_path):
@@ -135,3 +137,19 @@ def test_accounting_check_finds_a_seq_missing_below_a_producers_cursor(tmp_path)
     run.save([0, 1, 5], claim=GroupCursor(2, ((2, 7),), (((), ()),)))
     bad = check_run(tmp_path).drafters["d0"]
     assert (bad.missing_batches, bad.lost_samples, bad.ok) == (1, 2, False)
+
+
+def test_checkpoint_state_puts_each_part_under_its_own_key():
+    """One function assembles trainer_state.pt: the trainer's entries as given, the shape, the group cursor
+    (its last_seq replaces the trainer's) and the ledger entry; without a cursor the trainer's last_seq stays."""
+    trainer = {"model": {}, "step": 7, "last_seq": 41, "rng": torch.tensor([1, 2], dtype=torch.uint8)}
+    cursor = GroupCursor(2, ((6, 5),), (((8,), ()),))
+    state = checkpoint_state(trainer, shape={"block_size": 8}, cursor=cursor, world_size=3,
+                             ledger={"id": "d0:x:7:1", "lineages": ["main"]})
+    assert set(state) == {"model", "step", "last_seq", "rng", "shape", "group", "ledger"}
+    assert state["group"] == {"producers": 2, "cursors": [6, 5], "trained_above": [[8], []], "world_size": 3}
+    assert state["last_seq"] == 4 and state["step"] == 7 and state["shape"] == {"block_size": 8}
+    assert state["ledger"] == {"id": "d0:x:7:1", "lineages": ["main"]} and state["rng"] is trainer["rng"]
+    alone = checkpoint_state(trainer, shape={})
+    assert set(alone) == {"model", "step", "last_seq", "rng", "shape"} and alone["last_seq"] == 41
+    assert trainer == {"model": {}, "step": 7, "last_seq": 41, "rng": trainer["rng"]}  # the input is left alone

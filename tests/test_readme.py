@@ -37,7 +37,7 @@ def demo_run(tmp_path_factory):
     import demo.job as demo
     from common.checkpoint_pointer import write_pointer
     from common.config import load_job
-    from consumer.checkpoint import export_config, write_export
+    from consumer.export.layout import export_config, write_export
     from consumer.model import DFlashDrafter, DrafterArch
     from consumer.target_parts import load_target_parts
 

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from test_drafter_common import LAYER_IDS, drafter_cfg, target_features, tiny_target
 
 from common.config import DrafterConfig, default_sliding_block_attention
-from consumer.checkpoint import export_config, write_export
 from consumer.evaluate import load_drafter
 from consumer.export.dflash import layer_is_causal
+from consumer.export.layout import export_config, write_export
 from consumer.mask_token import mask_token_text
 from consumer.model import DFlashDrafter
 from consumer.objective import attention_masks, build_draft_batch

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from test_drafter_common import LAYER_IDS, drafter_cfg, packed, target_features, tiny_target
 
 from common.checkpoint_pointer import write_pointer
-from consumer.checkpoint import export_config, save_checkpoint, write_export
+from consumer.checkpoint import save_checkpoint
+from consumer.export.layout import export_config, write_export
 from consumer.objective import attention_masks, build_draft_batch
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer

@@ -22,8 +22,10 @@ from common.config import parse_job
 from common.packed_batch import required_slot_bytes, slot_items
 from common.protocol import Attached, Batch, Hello, Release, Welcome
 from common.ring import SlotRing, layout_to_wire, plan_layout
-from consumer.checkpoint import load_latest, save_checkpoint
+from consumer.checkpoint import load_latest, write_checkpoint
+from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupEnv, ReplicaGroup, RoundFlags
+from consumer.export.layout import drafter_shape, trainer_export_config
 from consumer.stream import BatchStream, ReceivedBatch
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
@@ -156,14 +158,14 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     replicas = run(trainer(False), range(len(SCHEDULE)))
     straight_trainer = trainer(True)
     straight = run(straight_trainer, range(len(SCHEDULE)))
-    group.gather_trained([])  # the checkpoint collective: gathers the full state for rank 0
-    straight_state = straight_trainer.state_dict() if group.is_writer else None
+    straight_state = straight_trainer.gather_state(keep=group.is_writer)  # collective: rank 0 keeps it
 
     first = trainer(True)
     run(first, range(RESUME_AT))
-    group.gather_trained([])
+    first_state = first.gather_state(keep=group.is_writer)
     if group.is_writer:
-        save_checkpoint(out / "ckpt", first)
+        write_checkpoint(out / "ckpt", checkpoint_state(first_state, shape=drafter_shape(first)),
+                         trainer_export_config(first))
     group.sync_round(RoundFlags())  # a barrier: the checkpoint is on disk before anyone resumes
     resumed_trainer = trainer(True)
 
@@ -174,8 +176,7 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     where, state = group.broadcast_state(latest)
     resumed_trainer.load_state_dict(state, where)
     resumed = run(resumed_trainer, range(RESUME_AT, len(SCHEDULE)))
-    group.gather_trained([])
-    resumed_state = resumed_trainer.state_dict() if group.is_writer else None
+    resumed_state = resumed_trainer.gather_state(keep=group.is_writer)
     if group.is_writer:
         torch.save({"replicas": replicas, "straight": straight, "resumed": resumed, "straight_state": straight_state,
                     "resumed_state": resumed_state, "stream_ddp": stream_ddp,
