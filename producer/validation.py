@@ -150,6 +150,9 @@ def held_out_set(*, validation: str | float | None, eval_every: int, max_records
         if not Path(validation).is_file():
             raise DataError(f"data.validation: {validation} is not a file (a record file in the training data's"
                             " format, or a fraction in (0, 0.5])")
+        if dataset.path.exists() and Path(validation).resolve() == dataset.path.resolve():
+            raise DataError(f"data.validation: {validation} is the training data itself; hold out part of it with a"
+                            " fraction (data.validation = 0.02) or name another file")
         source, data = "file", ChatDataset(validation, dataset.format, encoder, limits)
         held = np.arange(len(data), dtype=np.int64)
     ids = pass_ids(held, max_records, seed)

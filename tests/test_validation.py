@@ -26,10 +26,19 @@ from consumer.service import ConsumerService
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from consumer.validation import ANCHOR_STREAM, Evaluator, PassResult
-from producer.data import DataError
+from producer.data import ChatDataset, ChatEncoder, DataError
 from producer.fingerprint import PlanChanged, check_plan, plan_fingerprint
 from producer.plan import BatchPlan
-from producer.validation import pack_pass, pass_ids, split_fingerprint, split_held_out
+from producer.tokenizer import load_tokenizer
+from producer.validation import (
+    excluded_ids,
+    held_out_set,
+    pack_pass,
+    pass_ids,
+    split_fingerprint,
+    split_held_out,
+)
+from tests.jobs import tiny_assets
 
 # ------------------------------------------------------------------------------------------ the split
 
@@ -76,6 +85,33 @@ def test_the_split_is_in_the_plan_fingerprint_and_a_changed_split_is_refused(tmp
     older = {k: v for k, v in fp(None).items() if k != "validation"}  # a fingerprint written before the key
     assert "matches" in check_plan([{"lineage": "main", "fingerprint": older, "epochs": [0]}], "main", fp(None), 1,
                                    tmp_path)
+
+
+def test_a_validation_file_or_split_of_real_records_and_the_pass_schedule(tmp_path_factory):
+    assets = tiny_assets(tmp_path_factory.mktemp("assets"))
+    encoder = ChatEncoder(load_tokenizer(assets / "tokenizer"), 256)
+    train = ChatDataset(assets / "train.jsonl", "chat", encoder)
+    val_file = assets / "val.jsonl"
+    val_file.write_text("".join(line + "\n" for line in (assets / "train.jsonl").read_text().splitlines()[:5]))
+    common = dict(eval_every=3, max_records=4, seed=7, tokens_per_batch=512, dataset=train, encoder=encoder)
+    held = held_out_set(validation=str(val_file), **common)
+    assert held.source == "file" and held.held_out.tolist() == [0, 1, 2, 3, 4] and len(held.pass_samples) == 4
+    assert excluded_ids(str(val_file), len(train), 7).size == 0  # the training plan keeps every record
+    record = held.plan_record()
+    assert record["file"]["bytes"] == val_file.stat().st_size and record["held_out_ids"] is None
+    reader = held.dataset.reader()
+    for batch in held.packed():  # the records as the training data's reader gives them, end to end
+        assert batch.input_ids.tolist() == [t for i in batch.sample_ids for t in reader.read(i)[0]]
+    reader.close()
+    split = held_out_set(validation=0.1, **common)
+    assert split.held_out.tolist() == split_held_out(len(train), 0.1, 7).tolist() and split.dataset is train
+    assert sorted(split.pass_samples) == pass_ids(split.held_out, 4, 7).tolist()
+    assert [split.passes_at(c, 10) for c in (0, 2, 3, 5, 6, 9, 10)] == [0, 0, 1, 1, 2, 3, 4]  # and one at the end
+    assert held_out_set(validation=None, **common) is None
+    with pytest.raises(DataError, match="is the training data itself"):
+        held_out_set(validation=str(assets / "train.jsonl"), **common)
+    with pytest.raises(DataError, match=r"nope\.jsonl is not a file"):
+        held_out_set(validation=str(assets / "nope.jsonl"), **common)
 
 
 def test_a_bad_validation_key_names_it():
