@@ -157,6 +157,7 @@ class ProducerService:
                 if seq is None:  # a group without members holds us back (block mode)
                     self._timed_wait("wait_consumers")
                     continue
+                self._validation_due()  # a pass a (re)formed group is due before its next batch
                 slot = self._acquire_slot()
                 if slot is None:
                     continue  # stop requested, or the recipients changed while we waited
@@ -327,8 +328,11 @@ class ProducerService:
                 group = self.delivery.groups[member.drafter]
                 log.info("%s.r%d (pid %d) attached; its group resumes at seq %s", member.drafter, member.replica,
                          member.pid, group.cursor)
-                if self.held_out and len(group.live()) == 1:  # the group (re)formed: passes below its cursor are had
-                    self._val_done[member.drafter] = self.held_out.passes_at(group.cursor, self.delivery.total_batches)
+                if self.held_out and len(group.live()) == 1:
+                    # the group (re)formed: passes due below its cursor were had; one due at the cursor itself may
+                    # not have been evaluated (a consumer stalled or restarted right after its boundary): again
+                    self._val_done[member.drafter] = self.held_out.passes_at(max(group.cursor - 1, 0),
+                                                                             self.delivery.total_batches)
                 if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
                     log.warning("%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
                                 " checkpoint trained more epochs than the job now asks for; nothing is left to train"

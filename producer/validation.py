@@ -12,7 +12,8 @@ data.tokens_per_batch longest first: the same batches every pass.
 The schedule counts training batches, not optimizer steps, because the producer knows the one and not the
 other: pass k (k = 1, 2, ...) is due for a drafter once its cursor at this producer reaches
 min(k · eval_every, the plan's batches) (it was sent every training seq below), so the end of the data has
-a pass too; a group that (re)forms counts the passes below its resume point as done. With tokens_per_step
+a pass too; a group that (re)forms counts the passes due below its resume point as had, and has the one due
+at it again (it may not have been evaluated: a consumer that stalled or restarted right after it). With tokens_per_step
 = 0 (one batch a step) pass k follows step k · eval_every exactly. Only producer 0 of node 0 runs passes (its node's
 drafters see all of them; other producers send none).
 """
