@@ -89,3 +89,12 @@ def check_validation(drafter: str, records: list[dict]) -> ValidationReport | No
     rep.passes_sent = len(sent)
     rep.passes_unfinished = len(sent - evaluated)
     return rep
+
+
+def held_out_curve(records: list[dict], drafter: str) -> list[tuple[int, int, float]]:
+    """(pass, step, held-out τ) of every pass `drafter` logged, in log order, a repeated pass once."""
+    curve: dict[tuple[int, int], float] = {}
+    for r in records:
+        if r["kind"] == "evaluation" and r.get("drafter") == drafter:
+            curve.setdefault((int(r["pass"]), int(r["step"])), float(r["tau"]))
+    return [(p, s, tau) for (p, s), tau in curve.items()]

@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.accounting_check import read_records
+from common.accounting_validation import held_out_curve
+from common.checkpoint_pointer import BEST, read_pointer
 from common.config import load_job
 from demo.corpus import generate_corpus, split_corpus
 from demo.pretrain import TargetShape, greedy_accuracy, pretrain_target
@@ -283,6 +286,18 @@ def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: in
     return job_path
 
 
+def print_held_out(job) -> None:
+    """Each drafter's held-out τ during training (data.validation: the job log's passes) and its best checkpoint."""
+    records, _ = read_records([job.run_paths.root])
+    for d in job.drafters:
+        curve = held_out_curve(records, d.name)
+        if curve:
+            best = read_pointer(job.run_paths.checkpoints(d.name), BEST)
+            points = ", ".join(f"{tau:.2f}@{step}" for _, step, tau in curve)
+            print(f"{d.name}: held-out tau during training (tau@step): {points}; best: checkpoints/{d.name}/best ->"
+                  f" {best}", flush=True)
+
+
 def evaluate_demo(
     job_path: str | Path, limit: int | None = None, max_new_tokens: int = 160
 ) -> tuple[dict, bool]:
@@ -298,6 +313,7 @@ def evaluate_demo(
         print(format_report(report, d.name), flush=True)
         reports[d.name] = report.to_dict()
         ok &= report.lossless
+    print_held_out(job)
     b16 = [r["tau"] for r in reports.values() if r["block_size"] == 16]
     if b16:
         verdict = "met" if b16[0] >= DEMO_GOAL_TAU else "NOT met"

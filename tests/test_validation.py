@@ -13,7 +13,7 @@ from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, t
 
 from common.accounting import DeliveryLedger, TrainLedger, sample_digest
 from common.accounting_check import read_records
-from common.accounting_validation import check_validation
+from common.accounting_validation import check_validation, held_out_curve
 from common.checkpoint_pointer import BEST, read_pointer
 from common.config import ConfigError, parse_job
 from consumer.best_checkpoint import BestCheckpoint
@@ -153,6 +153,7 @@ def test_held_out_records_never_trained_and_each_pass_evaluated_once_are_audited
     assert not twice.ok and (twice.passes_exact, twice.passes_mismatched) == (1, 1)
     assert "evaluation pass 2 (step 2): 1 distinct records, 1 evaluated twice" in twice.errors[0]
     assert check_validation("d1", _validation_log(tmp_path / "other")).passes_sent == 0  # another drafter's
+    assert held_out_curve(_validation_log(tmp_path / "curve"), "d0") == [(1, 1, 1.25), (2, 2, 1.5)]
 
 
 # ------------------------------------------------------------------------------------------ evaluation
