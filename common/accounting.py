@@ -7,12 +7,17 @@ Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
     producer  plan        node, lineage, total_batches, epochs [{epoch, first_seq, batches}], samples, digest,
                           fingerprint (producer/fingerprint.py: every input of the plan but epochs)
               batch       node, lineage, seq, epoch, samples [ids], to [[drafter, replica, session], ...]
+              validation  node, lineage, pass, index, samples [ids], to (one batch of an evaluation pass)
     consumer  start       drafter, rank, world, base (id of the checkpoint resumed from, or null), base_step,
                           lineage
               step        drafter, rank, step, seqs (this replica's batches in that optimizer step)
               checkpoint  drafter, id, parent, step, lineage, trained {node: [seqs]}, producers, cursors,
                           trained_above
               saved       drafter, id (or null on a replica that does not write), step
+              evaluation  drafter, rank, lineage, pass, step, samples [ids evaluated], tau (one whole pass)
+The plan record's "validation" (null without data.validation) describes the held-out records
+(producer/validation.py `HeldOut.plan_record`): source, the held-out ids of a split, one pass's sample count
+and digest. They are never in a batch record; the checker audits the passes on their own.
 A record without "lineage" (written before data lineages) belongs to lineage "main".
 
 Data lineages (`data.lineage`): a lineage is one batch plan of the run folder, its seqs counted from 0. A
@@ -100,9 +105,11 @@ class DeliveryLedger:
     """The producer's log: its plan once, then every batch with the sessions it went to."""
 
     def __init__(self, run_dir: str | Path, node: int, total_batches: int, epoch_batches: Sequence[int],
-                 sample_ids: Iterable[int], *, lineage: str = DEFAULT_LINEAGE, fingerprint: dict | None = None):
+                 sample_ids: Iterable[int], *, lineage: str = DEFAULT_LINEAGE, fingerprint: dict | None = None,
+                 validation: dict | None = None):
         """`epoch_batches[e]`: batches in epoch e; `sample_ids`: this node's shard (the same every epoch);
-        `lineage`, `fingerprint`: the data lineage and what defines its plan (producer/fingerprint.py)."""
+        `lineage`, `fingerprint`: the data lineage and what defines its plan (producer/fingerprint.py);
+        `validation`: the held-out records (None: no data.validation)."""
         self.node = node
         self.lineage = lineage
         ids = list(sample_ids)
@@ -114,11 +121,17 @@ class DeliveryLedger:
             raise ValueError(f"the epochs hold {first} batches, the plan says {total_batches}")
         self.log = JobLog(run_dir, "producer", f"n{node}")
         self.log.write("plan", {"node": node, "lineage": lineage, "total_batches": total_batches, "epochs": epochs,
-                                "samples": len(ids), "digest": sample_digest(ids), "fingerprint": fingerprint})
+                                "samples": len(ids), "digest": sample_digest(ids), "fingerprint": fingerprint,
+                                "validation": validation})
 
     def delivered(self, seq: int, epoch: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
         self.log.write("batch", {"node": self.node, "lineage": self.lineage, "seq": seq, "epoch": epoch,
                                  "samples": [int(s) for s in sample_ids], "to": [list(m) for m in to]})
+
+    def validated(self, pass_: int, index: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
+        """Batch `index` of evaluation pass `pass_`, before it is sent (as `delivered`)."""
+        self.log.write("validation", {"node": self.node, "lineage": self.lineage, "pass": pass_, "index": index,
+                                      "samples": [int(s) for s in sample_ids], "to": [list(m) for m in to]})
 
     def close(self) -> None:
         self.log.close()
@@ -219,6 +232,12 @@ class TrainLedger:
         })
         self._attempt = record_id
         return {"id": record_id, "lineages": list(self.lineages)}
+
+    def evaluated(self, pass_: int, step: int, sample_ids: Iterable[int], tau: float) -> None:
+        """One whole evaluation pass at optimizer step `step`: the samples it evaluated and its held-out τ."""
+        self.log.write("evaluation", {"drafter": self.drafter, "rank": self.rank, "lineage": self.lineage,
+                                      "pass": pass_, "step": step,
+                                      "samples": [int(s) for s in sample_ids], "tau": tau})
 
     def saved(self, step: int) -> None:
         """The save returned: its record becomes the parent of the next one."""

@@ -12,7 +12,9 @@ chain of checkpoint records back to a fresh start and collect the seqs trained a
   - every seq in the lineage was delivered by the producer to this drafter, always with the same samples;
   - every epoch the lineage covers entirely holds exactly the plan's sample set (count and digest);
   - crash losses: steps that crashed incarnations trained after their last checkpoint; each must be in the
-    lineage exactly once (trained again after resume).
+    lineage exactly once (trained again after resume);
+  - the held-out records (data.validation), audited on their own (common/accounting_validation.py): never
+    in a training batch, every record once in each evaluation pass.
 Data lineages (common/accounting.py): the chain is cut where its checkpoint records change lineage, and each
 part is checked as above against its own lineage's plan and deliveries. A node's plan records of one lineage
 must agree on every input but `epochs`, and epoch by epoch on the epochs they share: a plan that grew by
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from common.accounting import ACCOUNTING_DIR, DEFAULT_LINEAGE, ledger_id_of, per_node, sample_digest
+from common.accounting_validation import ValidationReport, check_validation
 from common.checkpoint_pointer import read_pointer
 
 STATE_FILE = "trainer_state.pt"
@@ -78,10 +81,13 @@ class DrafterReport:
     crash_lost_batches: int = 0  # trained by incarnations after their last checkpoint, lost with them
     crash_lost_retrained: int = 0  # of those, trained (once) in the final lineage
     lineages: list[LineageReport] = field(default_factory=list)  # the data lineages of the chain, oldest first
+    validation: ValidationReport | None = None  # the held-out records' audit (None: no data.validation)
     errors: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        if self.validation is not None and not self.validation.ok:
+            return False
         return not self.errors and not (self.duplicate_batches or self.duplicate_samples or self.missing_batches
                                         or self.lost_samples or self.undelivered_batches or self.epochs_mismatched)
 
@@ -151,6 +157,7 @@ def check_run(run_dir: str | Path, logs_from: list[str | Path] = ()) -> Accounti
                       {p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir()})
     for drafter in drafters:
         report.drafters[drafter] = _check_drafter(run_dir, drafter, records, plans, deliveries)
+        report.drafters[drafter].validation = check_validation(drafter, records)
     return report
 
 
@@ -343,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
             if len(d.lineages) > 1 or any(len(set(p.epochs_planned)) > 1 for p in d.lineages):
                 for part in d.lineages:
                     print(f"    {part.describe()}")
+            if d.validation is not None:
+                print(f"    {d.validation.describe()}{'' if d.validation.ok else ': FAILED'}")
+                for e in d.validation.errors:
+                    print(f"    {e}")
             for e in d.errors:
                 print(f"    {e}")
         for e in report.errors:

@@ -126,6 +126,20 @@ class DataConfig(_Section):
     # the run folder's batch plan by name: a new name starts a new plan (changed data) from the drafters'
     # current weights, with a fresh cursor; a rerun of a changed plan under the same name is refused
     lineage: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)] = "main"
+    # held-out records, never trained on: a record file in the training data's format, or a fraction in
+    # (0, 0.5] of the data's records (a seeded split, part of the plan fingerprint); unset: no validation
+    validation: str | float | None = None
+    eval_every: Annotated[int, Field(ge=0)] = 200  # a validation pass after every N training batches; 0: none
+    validation_max_records: Annotated[int, Field(ge=1)] = 256  # one pass evaluates at most this many records
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _fraction_or_path(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and not 0 < value <= 0.5):
+            raise ValueError(f"{value!r}: a fraction of the records in (0, 0.5], or the path of a record file")
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("an empty path: a fraction of the records in (0, 0.5], or the path of a record file")
+        return float(value) if isinstance(value, int) else value
 
     @model_validator(mode="after")
     def _budget_holds_a_sequence(self) -> DataConfig:

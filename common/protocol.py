@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: HELLO carries node and launch, WELCOME the launch
+PROTOCOL_VERSION = 3  # 2: HELLO carries node and launch, WELCOME the launch; 3: BATCH the validation pass
 MAX_MESSAGE_BYTES = 1 << 20  # also the sockets' MAXMSGSIZE
 MAX_STR = 4096
 MAX_BYTES = 4096
@@ -69,6 +69,10 @@ class Attached:
 
 @dataclass(frozen=True)
 class Batch:
+    """producer → consumer: a batch in `slot`. A validation batch (`val_pass` ≥ 1, producer/validation.py) is
+    evaluated, never trained: its `seq` is negative (-2, -3, ...: a slot tag, no place in the plan) and it is
+    batch `val_index` of the `val_count` that make evaluation pass `val_pass`."""
+
     TYPE: ClassVar[int] = 4
     epoch: int
     seq: int
@@ -78,6 +82,9 @@ class Batch:
     sample_ids: list[int]
     num_tokens: int
     num_loss_tokens: int
+    val_pass: int = 0  # 0: a training batch
+    val_index: int = 0
+    val_count: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from consumer.shape import ShapeMismatch
 from consumer.stream import BatchStream
 from consumer.target_parts import TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
+from consumer.validation import job_validation
 from consumer.warm_start import WarmStartError, warm_start_unless_resuming
 
 log = logging.getLogger("consumer")
@@ -194,6 +195,7 @@ def _serve(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, p
                            prof=prof, node=env.node_rank, launch_id=launch_id,
                            stopping=lambda: stop.reason is not None, producer=p) for p in range(producers)]
     stream = streams[0] if producers == 1 else FanIn(streams)
+    evaluator, best = job_validation(job, trainer, group.world_size, ckpt_root)  # data.validation passes
     service = ConsumerService(
         trainer, stream, functools.partial(write_checkpoint, ckpt_root, export=trainer_export_config(trainer)),
         group=group, cursor=cursor, checkpoint_every=cfg.checkpoint_every,
@@ -202,7 +204,7 @@ def _serve(job, cfg, env: GroupEnv, group: ReplicaGroup, device: torch.device, p
         ledger=TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=trainer.step,
                            base=ledger_id_of(resumed[1]) if resumed else None,
                            resumed_from=resumed[0] if resumed else None, lineages=lineages),
-        stop=stop, beat=beat,
+        stop=stop, beat=beat, evaluator=evaluator, best=best,
     )
     log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
              cfg.num_layers, cfg.block_size, layer_ids)

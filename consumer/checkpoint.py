@@ -38,7 +38,7 @@ import torch
 import xxhash
 from safetensors import SafetensorError, safe_open
 
-from common.checkpoint_pointer import LATEST, read_pointer, write_pointer
+from common.checkpoint_pointer import BEST, LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
 from consumer.checkpoint_state import checkpoint_state
@@ -169,9 +169,12 @@ def _write(root: Path, state: dict, export: dict, keep_last: int) -> Path:
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Remove all but the newest `keep_last` step directories, never the one `best` points at."""
+    best = read_pointer(root, BEST)  # consumer/best_checkpoint.py
     steps = sorted((int(p.name.removeprefix("step_")), p) for p in root.glob("step_*") if p.name[5:].isdigit())
     for _, old in steps[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _digest(path: Path) -> str:

@@ -22,6 +22,7 @@ from common.accounting import TrainLedger
 from common.profile import ProfileStats
 from common.startup import StartupBeat
 from common.supervisor import STOP_SIGNALS, stop_reason
+from consumer.best_checkpoint import BestCheckpoint
 from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.export.layout import drafter_shape
@@ -35,6 +36,7 @@ from consumer.stream import (
     StreamEnd,
 )
 from consumer.trainer import NonFiniteTrainingError, Trainer
+from consumer.validation import Evaluator, PassResult, val_metrics
 
 log = logging.getLogger("consumer")
 
@@ -82,8 +84,12 @@ class ConsumerService:
         ledger: TrainLedger | None = None,
         stop: StopSignal | None = None,
         beat: StartupBeat | None = None,
+        evaluator: Evaluator | None = None,
+        best: BestCheckpoint | None = None,
     ):
-        """`save_checkpoint(state)` writes a checkpoint_state dict atomically; the caller binds where.
+        """`evaluator`: runs the validation batches (consumer/validation.py; None: they are ignored, counted);
+        `best`: the best-checkpoint record a whole pass may update (consumer/best_checkpoint.py).
+        `save_checkpoint(state)` writes a checkpoint_state dict atomically; the caller binds where.
         `cursor` is where the group resumes (from its checkpoint, or fresh), one per producer of each node:
         `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p."""
         self.trainer = trainer
@@ -117,6 +123,8 @@ class ConsumerService:
         self._highest_seen: dict[int, int] = {}  # per producer: the highest seq trained since the start
         self.beat = beat
         self._startup: contextlib.ExitStack | None = None  # the "first batch" phase, until the first step
+        self.evaluator = evaluator
+        self.best = best
 
     def resume_seq(self, producer: int = 0) -> int:
         """The seq this replica asks `producer` for in HELLO: the group's cursor for that producer, past what
@@ -198,6 +206,9 @@ class ConsumerService:
         if isinstance(item, StreamEnd):
             self._ended = item
         elif isinstance(item, ReceivedBatch):
+            if item.validation is not None:  # evaluated, never trained: no round, no step, no cursor
+                self._evaluate(item)
+                return
             if item.seq in self._skip:  # a resumed producer replays from the cursor: these were trained
                 self._skip.discard(item.seq)
                 if self.prof:
@@ -266,6 +277,50 @@ class ConsumerService:
         self._end_startup()
         if self.stats:
             self.stats.maybe_publish(step=self.trainer.step)
+
+    # ------------------------------------------------------------------------------------ validation
+    def _evaluate(self, item: ReceivedBatch) -> None:
+        """A validation batch: forward only (consumer/validation.py); a whole pass is logged, published,
+        written to the job log and may become the best checkpoint."""
+        if self.evaluator is None:
+            if self.prof:
+                self.prof.count("val_ignored")
+            return
+        start = time.perf_counter()
+        result = self.evaluator.add(item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.sample_ids,
+                                    item.validation)
+        if self.prof:
+            self.prof.add("eval", time.perf_counter() - start)
+            self.prof.count("val_batches")
+            self.prof.count("val_tokens", item.input_ids.numel())
+        if result is None:
+            return
+        m = result.metrics
+        log.info("%s validation pass %d at step %d: val_loss %.4f val_tau_est %.3f val_acc_slot_1 %.3f (%d records,"
+                 " %d tokens)", self.name, result.pass_, result.step, m["loss"], m["tau_est"], m.get("acc_slot_1", 0.0),
+                 len(result.samples), result.tokens)
+        if self.prof:
+            for key, value in val_metrics(result).items():
+                self.prof.gauge(key, value)
+            self.prof.gauge("val_step", float(result.step))
+            self.prof.gauge("val_pass", float(result.pass_))
+        if self.ledger:
+            self.ledger.evaluated(result.pass_, result.step, result.samples, m["tau_est"])
+        self._keep_best(result)
+        if self.stats:
+            self.stats.maybe_publish(step=self.trainer.step)
+
+    def _keep_best(self, result: PassResult) -> None:
+        """A pass that beats the best held-out τ: its weights (the last completed step's) saved, `best` moved."""
+        tau = result.metrics["tau_est"]
+        if self.best is None or result.step == 0 or not self.best.improves(tau):
+            return
+        name = f"step_{result.step}"
+        if self._saved_step != result.step or not (self.best.root / name).is_dir():
+            self._save("best held-out τ")  # the weights evaluated: the same step's
+        self.best.record(name, result.step, tau, result.metrics["loss"], result.pass_)
+        log.info("%s: best held-out τ %.3f (pass %d, step %d): %s", self.name, tau, result.pass_, result.step,
+                 self.best.root / "best")
 
     # ------------------------------------------------------------------------------------ checkpoints, end
     def _save(self, reason: str) -> None:

@@ -49,6 +49,7 @@ class ReceivedBatch(PackedBatch):
     whoever keeps a batch past that copies it (consumer/copy_out.py says why and how CUDA overlaps)."""
 
     received_at: float = 0.0
+    validation: tuple[int, int, int] | None = None  # (pass, index, count) of a validation batch: evaluate only
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,11 @@ class BatchStream:
         self.last_copy_s = time.perf_counter() - start
         if self.prof:
             self.prof.add("copy_out", self.last_copy_s)
-        self.channel.last_seq = msg.seq
+        if not msg.val_pass:  # a validation batch's seq is a slot tag, not the plan's (common/protocol.py)
+            self.channel.last_seq = msg.seq
         return ReceivedBatch(msg.seq, msg.data_epoch, msg.sample_ids, **{n: out[n] for n in NAMES},
-                             received_at=received_at)
+                             received_at=received_at,
+                             validation=(msg.val_pass, msg.val_index, msg.val_count) if msg.val_pass else None)
 
     def _release(self, msg: Batch) -> None:
         self.channel.send(Release(self.epoch, [(msg.seq, msg.slot)]))

@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.accounting_check import read_records
+from common.accounting_validation import held_out_curve
+from common.checkpoint_pointer import BEST, read_pointer
 from common.config import load_job
 from demo.corpus import generate_corpus, split_corpus
 from demo.pretrain import TargetShape, greedy_accuracy, pretrain_target
@@ -31,6 +34,8 @@ from demo.tiny import train_tokenizer, write_jsonl
 from producer.data import ChatEncoder
 from producer.plan import BatchPlan
 from producer.regenerate import regenerate
+from producer.tokenizer import load_tokenizer
+from producer.validation import excluded_ids
 
 READY = "READY"
 ASSETS_VERSION = 3  # bump when what the assets hold changes: older builds are rebuilt
@@ -162,6 +167,7 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
         "accuracy_seconds": accuracy_s,
         "regenerate": {"answers": regen.written, "new_tokens": regen.new_tokens, "seconds": regen_s},
         "train_batches": planned_batches(assets / "train.jsonl", tokenizer, size, seed),
+        "validation": VALIDATION,
         "build_seconds": time.perf_counter() - t0,
     }
     (assets / READY).write_text(json.dumps(report, indent=2) + "\n")  # last: its presence means complete
@@ -169,14 +175,21 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
 
 
 LENGTH_GROUP_WINDOW = 1  # mixed-task batches: length-sorted windows made one-task batches and slowed learning
+# data.validation: 2% of the drafters' data held out (100 records of the full demo), a pass of at most 64 of
+# them every EVAL_EVERY batches and at the end: the held-out curve of the plots and checkpoints/<drafter>/best
+VALIDATION = 0.02
+EVAL_EVERY = 60
+VALIDATION_MAX_RECORDS = 64
 
 
 def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int) -> int:
-    """How many batches the producer's plan makes of the drafters' data: the lr schedule's length."""
+    """How many batches the producer's plan makes of the drafters' data (the held-out split left out): the
+    lr schedule's length."""
     encoder = ChatEncoder(tokenizer, size.max_length)
     with path.open() as f:
         lengths = [len(encoder.encode(json.loads(line)["messages"])[0]) for line in f]
-    plan = BatchPlan(lengths, seed, size.epochs, size.tokens_per_batch, LENGTH_GROUP_WINDOW)
+    plan = BatchPlan(lengths, seed, size.epochs, size.tokens_per_batch, LENGTH_GROUP_WINDOW,
+                     exclude=excluded_ids(VALIDATION, len(lengths), seed))
     return sum(len(plan.epoch_batches(e)) for e in range(size.epochs))
 
 
@@ -221,6 +234,9 @@ max_length = {size.max_length}
 tokens_per_batch = {size.tokens_per_batch}
 epochs = {size.epochs}
 length_group_window = {LENGTH_GROUP_WINDOW}
+validation = {VALIDATION}
+eval_every = {EVAL_EVERY}
+validation_max_records = {VALIDATION_MAX_RECORDS}
 
 [transport]
 kind = "cpu"
@@ -255,12 +271,31 @@ def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: in
         log(
             f"demo assets are ready in {assets} (built in {report['build_seconds']:.0f}s; delete {ready} to rebuild)"
         )
+        if report.get("validation") != VALIDATION:  # built before the split: the plan's length without it
+            tokenizer = load_tokenizer(assets / "tokenizer")
+            report = {**report, "validation": VALIDATION,
+                      "train_batches": planned_batches(assets / "train.jsonl", tokenizer, size, seed)}
+            tmp = ready.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
+            tmp.replace(ready)
     job_path = run_dir / "demo.toml"
     text = job_toml(run_dir, size, report, seed)
     if not job_path.is_file() or job_path.read_text() != text:
         job_path.write_text(text)
     load_job(job_path)  # a demo that cannot start fails here, naming the key
     return job_path
+
+
+def print_held_out(job) -> None:
+    """Each drafter's held-out τ during training (data.validation: the job log's passes) and its best checkpoint."""
+    records, _ = read_records([job.run_paths.root])
+    for d in job.drafters:
+        curve = held_out_curve(records, d.name)
+        if curve:
+            best = read_pointer(job.run_paths.checkpoints(d.name), BEST)
+            points = ", ".join(f"{tau:.2f}@{step}" for _, step, tau in curve)
+            print(f"{d.name}: held-out tau during training (tau@step): {points}; best: checkpoints/{d.name}/best ->"
+                  f" {best}", flush=True)
 
 
 def evaluate_demo(
@@ -278,6 +313,7 @@ def evaluate_demo(
         print(format_report(report, d.name), flush=True)
         reports[d.name] = report.to_dict()
         ok &= report.lossless
+    print_held_out(job)
     b16 = [r["tau"] for r in reports.values() if r["block_size"] == 16]
     if b16:
         verdict = "met" if b16[0] >= DEMO_GOAL_TAU else "NOT met"

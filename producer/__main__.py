@@ -34,6 +34,7 @@ from producer.service import ProducerService, create_ring
 from producer.target import TargetLoadError, load_target
 from producer.tokenizer import load_tokenizer
 from producer.tp import LeaderTarget, TPRank, TPSetupError, distributed_config, ep_shard, follow, init_group
+from producer.validation import excluded_ids, job_held_out, split_fingerprint
 
 log = logging.getLogger("producer")
 
@@ -82,7 +83,8 @@ def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatData
              stats.tokens, stats.truncated, dict(stats.skipped) or "none", time.perf_counter() - start)
     shards = nnodes if job.data.shard_by_node else 1
     plan = BatchPlan(dataset.lengths, job.job.seed, job.data.epochs, job.data.tokens_per_batch,
-                     job.data.length_group_window, shard_index=node_rank % shards, shard_count=shards)
+                     job.data.length_group_window, shard_index=node_rank % shards, shard_count=shards,
+                     exclude=excluded_ids(job.data.validation, len(dataset), job.job.seed))  # held out: never planned
     return dataset, plan
 
 
@@ -95,7 +97,8 @@ def checked_fingerprint(job: JobConfig, dataset: ChatDataset, node_rank: int, nn
         data_path=d.path, data_format=d.format, tokenizer_dir=d.tokenizer or job.target.path,
         chat_template_kwargs=d.chat_template_kwargs, max_length=d.max_length, tokens_per_batch=d.tokens_per_batch,
         length_group_window=d.length_group_window, seed=job.job.seed, shard=(node_rank % shards, shards),
-        lengths=dataset.lengths, data_files=dataset.files)
+        lengths=dataset.lengths, data_files=dataset.files,
+        validation=split_fingerprint(d.validation, len(dataset), job.job.seed))
     note = check_plan(plan_records(job.run_paths.root, node_rank), d.lineage, fingerprint, d.epochs, job.run_paths.root)
     log.info("%s (plan fingerprint in %.2f s)", note, time.perf_counter() - start)
     return fingerprint
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             if tp.rank == 0:
                 dataset, plan = build_dataset(job, args.node_rank, args.nnodes)
                 fingerprint = checked_fingerprint(job, dataset, args.node_rank, args.nnodes)
+                held_out = job_held_out(job, dataset)  # data.validation (producer/validation.py)
                 if tp_group is not None:
                     tp_group.started()  # the followers wait for this before their first command
     except (ConfigError, StorageError, JobLocked, TargetLoadError, DataError, TPSetupError, RingError) as err:
@@ -182,12 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ledger = DeliveryLedger(job.run_paths.root, args.node_rank, len(plan),
                                 [plan.batches_per_epoch(e) for e in range(plan.epochs)], plan.sample_ids.tolist(),
-                                lineage=job.data.lineage, fingerprint=fingerprint)
+                                lineage=job.data.lineage, fingerprint=fingerprint,
+                                validation=held_out.plan_record() if held_out else None)
         service = ProducerService(
             job, target, batch_stream(dataset, plan, job.data.prefetch_batches, job.target.replicas), len(plan),
             ring_name=job.ring_name(args.node_rank, args.replica), ring=ring,
             prof=prof, stats=stats, ledger=ledger, launch_id=lock.launch_id, node=args.node_rank, replica=args.replica,
-            beat=beat,
+            beat=beat, held_out=held_out if (args.node_rank, args.replica) == (0, 0) else None,
         )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)

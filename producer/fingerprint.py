@@ -2,7 +2,7 @@
 
 The plan (producer/plan.py) is a pure function of the data file's records, the tokenizer and its chat
 template (which give every sample's tokens and length), max_length, tokens_per_batch, length_group_window,
-the seed and the node's shard. The producer records this fingerprint in its plan record (common/accounting.py)
+the seed, the node's shard and the held-out records it leaves out (data.validation). The producer records this fingerprint in its plan record (common/accounting.py)
 and, at every start, compares it with the run's previous plan records of the same node: resuming a changed
 plan at the old cursor would train some samples twice and others never, so a difference is refused before
 anything trains, naming what changed and how to go on.
@@ -48,6 +48,7 @@ KEY_NAMES = {
     "shard": "the node's data shard [index, count] (--node-rank, --nnodes, data.shard_by_node)",
     "samples": "the number of usable samples",
     "lengths": "the samples' token lengths",
+    "validation": "the held-out records (data.validation)",
 }
 
 
@@ -83,10 +84,12 @@ def lengths_digest(lengths: Sequence[int]) -> str:
 def plan_fingerprint(*, data_path: str | Path, data_format: str, tokenizer_dir: str | Path,
                      chat_template_kwargs: dict, max_length: int, tokens_per_batch: int, length_group_window: int,
                      seed: int, shard: tuple[int, int], lengths: Sequence[int],
-                     data_files: Sequence[Path] | None = None) -> dict:
+                     data_files: Sequence[Path] | None = None, validation: dict | None = None) -> dict:
     """Every input of the node's plan except `epochs`, as a JSON-able dict of compared keys.
 
-    `data_files` are the files `data_path` reads (a hub dataset's split shards, in order); default: the path."""
+    `data_files` are the files `data_path` reads (a hub dataset's split shards, in order); default: the path.
+    `validation`: the held-out records the plan excludes (producer/validation.py `HeldOut.fingerprint`); None
+    without data.validation, which is also how a fingerprint written before the key reads."""
     files = [Path(f) for f in data_files] if data_files else [Path(data_path)]
     digests = [file_digest(f) for f in files]
     return {
@@ -105,6 +108,7 @@ def plan_fingerprint(*, data_path: str | Path, data_format: str, tokenizer_dir: 
         "shard": list(shard),
         "samples": len(lengths),
         "lengths": lengths_digest(lengths),
+        "validation": validation,
     }
 
 
@@ -114,10 +118,18 @@ def changes(old: dict, new: dict) -> list[str]:
     for key, name in KEY_NAMES.items():
         if old.get(key) != new.get(key):
             was, now = old.get(key), new.get(key)
-            if key in ("data_xxh3_128", "tokenizer", "lengths"):
+            if key == "validation":  # a dict: its short form
+                was, now = _describe_validation(was), _describe_validation(now)
+            elif key in ("data_xxh3_128", "tokenizer", "lengths"):
                 was, now = str(was)[:12], str(now)[:12]  # a digest: its head is enough to tell them apart
             out.append(f"{name}: {was} → {now}")
     return out
+
+
+def _describe_validation(v: dict | None) -> str:
+    if not v:
+        return "none"
+    return f"a {v.get('fraction')} split ({v.get('records')} records, {str(v.get('digest'))[:12]})"
 
 
 def check_plan(previous: list[dict], lineage: str, fingerprint: dict, epochs: int, run_dir: str | Path) -> str:

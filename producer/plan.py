@@ -26,12 +26,18 @@ class PlannedBatch:
     num_tokens: int
 
 
-def shard_sample_ids(num_samples: int, seed: int, shard_index: int, shard_count: int) -> np.ndarray:
-    """This node's sample ids: a seeded permutation dealt round-robin, so shards are disjoint and cover all."""
+def shard_sample_ids(num_samples: int, seed: int, shard_index: int, shard_count: int,
+                     exclude: Sequence[int] = ()) -> np.ndarray:
+    """This node's sample ids: a seeded permutation dealt round-robin, so shards are disjoint and cover all
+    but `exclude` (the held-out records, producer/validation.py; none: the plan of a job without them)."""
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index {shard_index} is not in 0..{shard_count - 1}")
-    perm = np.random.default_rng([seed, SHARD_STREAM]).permutation(num_samples)
-    return np.sort(perm[shard_index::shard_count])
+    if len(exclude) == 0:
+        perm = np.random.default_rng([seed, SHARD_STREAM]).permutation(num_samples)
+        return np.sort(perm[shard_index::shard_count])
+    pool = np.setdiff1d(np.arange(num_samples), np.asarray(exclude, dtype=np.int64))
+    perm = np.random.default_rng([seed, SHARD_STREAM]).permutation(len(pool))
+    return np.sort(pool[perm[shard_index::shard_count]])
 
 
 class BatchPlan:
@@ -46,7 +52,9 @@ class BatchPlan:
         length_group_window: int,
         shard_index: int = 0,
         shard_count: int = 1,
+        exclude: Sequence[int] = (),
     ):
+        """`exclude`: sample ids never planned (the held-out records of data.validation)."""
         self.lengths = np.asarray(lengths, dtype=np.int64)
         too_long = np.flatnonzero(self.lengths > tokens_per_batch)
         if too_long.size:
@@ -61,7 +69,7 @@ class BatchPlan:
         self.tokens_per_batch = tokens_per_batch
         self.window_tokens = length_group_window * tokens_per_batch
         self.shard_index = shard_index
-        self.sample_ids = shard_sample_ids(len(self.lengths), seed, shard_index, shard_count)
+        self.sample_ids = shard_sample_ids(len(self.lengths), seed, shard_index, shard_count, exclude)
         self._cached: tuple[int, list[tuple[int, ...]]] | None = None
 
     def epoch_batches(self, epoch: int) -> list[tuple[int, ...]]:

@@ -7,6 +7,7 @@ slot waits and the end of the job are the helpers below it. Every wait is a poll
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -29,6 +30,7 @@ from producer.delivery import Delivery
 from producer.slot_table import SlotTable
 from producer.target import TargetCapture
 from producer.tp import LeaderTarget
+from producer.validation import HeldOut
 
 log = logging.getLogger("producer")
 
@@ -46,6 +48,7 @@ class ProducerCounters:
     stale_messages: int = 0
     fenced: int = 0
     rejected_hellos: int = 0  # HELLOs that do not fit the job (drafter, replica, node, launch)
+    val_batches: int = 0  # validation batches sent (evaluation passes, producer/validation.py)
 
 
 def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
@@ -79,11 +82,13 @@ class ProducerService:
         node: int = 0,
         replica: int = 0,
         beat: StartupBeat | None = None,
+        held_out: HeldOut | None = None,
     ):
         """`ledger`: the job log every delivered batch is appended to (common/accounting.py); `launch_id`: the
         launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank;
         `replica`: which target replica it is (it makes the seqs replica, replica + replicas, ... of the plan);
-        `ring`: made by `create_ring` before the target loaded (None: made here), owned by the service now."""
+        `ring`: made by `create_ring` before the target loaded (None: made here), owned by the service now;
+        `held_out`: the validation records whose passes this producer runs (producer/validation.py)."""
         self.job = job
         self.launch_id = launch_id
         self.node = node
@@ -128,6 +133,10 @@ class ProducerService:
         self._stream_next = -1
         self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
         self._abandoned: list[str] = []  # groups the job ended without (skip mode, none came back in time)
+        self.held_out = held_out if held_out is not None and held_out.eval_every else None
+        self._val_batches = self.held_out.packed() if self.held_out else []  # the same every pass
+        self._val_done: dict[str, int] = {}  # per drafter: the passes its group had (or resumed past)
+        self._val_seq = -1  # validation batches take seqs -2, -3, ... (slot tags; -1 marks a slot being written)
         log.info("ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
                  job.transport_kind, t.slots, self.ring.slot_bytes / 2**20, self.channel.endpoint, total_batches)
 
@@ -148,6 +157,7 @@ class ProducerService:
                 if seq is None:  # a group without members holds us back (block mode)
                     self._timed_wait("wait_consumers")
                     continue
+                self._validation_due()  # a pass a (re)formed group is due before its next batch
                 slot = self._acquire_slot()
                 if slot is None:
                     continue  # stop requested, or the recipients changed while we waited
@@ -219,6 +229,7 @@ class ProducerService:
             self.prof.count("tokens", int(batch.input_ids.shape[0]))
             self.prof.count("sequences", len(batch.sample_ids))
             self.prof.count("loss_tokens", max(num_loss, 0))
+        self._validation_due()  # before END: the end of the data has its pass
         for g in self.delivery.groups.values():
             if g.ended:
                 self._end_group(g.drafter)
@@ -236,6 +247,59 @@ class ProducerService:
             self.table.abort(slot)  # a group vanished while we waited
             return None
         return slot
+
+    # ------------------------------------------------------------------------------------ validation passes
+    def _validation_due(self) -> None:
+        """Run the evaluation passes the groups reached (producer/validation.py says when); groups due the same
+        pass share its forwards. Each batch goes to the lowest live replica of each such group."""
+        if self.held_out is None:
+            return
+        due: dict[int, list[str]] = {}
+        for g in self.delivery.groups.values():
+            if g.cursor is not None and g.live():
+                k = self.held_out.passes_at(g.cursor, self.delivery.total_batches)
+                if k > self._val_done.get(g.drafter, 0):
+                    due.setdefault(k, []).append(g.drafter)
+        for k, drafters in sorted(due.items()):
+            self._validation_pass(k, drafters)
+
+    def _validation_pass(self, k: int, drafters: list[str]) -> None:
+        start = time.perf_counter()
+        for d in drafters:
+            self._val_done[d] = k
+        members = [self.delivery.groups[d].live()[0] for d in drafters]
+        count, tokens = len(self._val_batches), 0
+        for i, held in enumerate(self._val_batches):
+            slot = self.table.acquire()
+            while slot is None and self._stop_reason is None:  # back-pressure, as for training batches
+                self._handle_messages(timeout_s=POLL_S)
+                slot = self.table.acquire()
+            if slot is None:
+                return  # stopping
+            self._val_seq -= 1
+            batch = dataclasses.replace(held, seq=self._val_seq)
+            layout = self._write_slot(slot, batch)
+            live = [m for m in members if self.delivery.by_peer.get(m.peer) is m and m.attached]
+            if not live:  # every recipient was fenced meanwhile
+                self.table.abort(slot)
+                return
+            if self.ledger:
+                self.ledger.validated(k, i, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in live])
+            wire, T = layout_to_wire(layout), batch.num_tokens
+            for m in live:
+                self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, 0, wire, list(batch.sample_ids), T,
+                                                int(batch.loss_mask.sum()), k, i, count))
+            self.table.publish(slot, batch.seq, [m.peer for m in live])
+            self.counters.val_batches += 1
+            tokens += T
+            if self.prof:
+                self.prof.count("val_batches")
+                self.prof.count("val_tokens", T)
+        elapsed = time.perf_counter() - start
+        if self.prof:
+            self.prof.add("validation", elapsed)
+        log.info("validation pass %d for %s: %d batches, %d tokens in %.2f s", k, ", ".join(drafters), count, tokens,
+                 elapsed)
 
     # ------------------------------------------------------------------------------------ messages
     def _handle_messages(self, timeout_s: float) -> None:
@@ -261,8 +325,14 @@ class ProducerService:
             if member is None:
                 self._stale(peer, msg)
             else:
+                group = self.delivery.groups[member.drafter]
                 log.info("%s.r%d (pid %d) attached; its group resumes at seq %s", member.drafter, member.replica,
-                         member.pid, self.delivery.groups[member.drafter].cursor)
+                         member.pid, group.cursor)
+                if self.held_out and len(group.live()) == 1:
+                    # the group (re)formed: passes due below its cursor were had; one due at the cursor itself may
+                    # not have been evaluated (a consumer stalled or restarted right after its boundary): again
+                    self._val_done[member.drafter] = self.held_out.passes_at(max(group.cursor - 1, 0),
+                                                                             self.delivery.total_batches)
                 if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
                     log.warning("%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
                                 " checkpoint trained more epochs than the job now asks for; nothing is left to train"

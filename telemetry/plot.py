@@ -1,6 +1,7 @@
 """`python -m telemetry.plot RUN_DIR` (or `dflash-stats RUN_DIR --plot`): pictures of a run, as PNG files.
 
-    RUN_DIR/plots/training.png     loss and τ (tau_est) against step, tokens/s against time, per drafter replica
+    RUN_DIR/plots/training.png     loss and τ (tau_est) against step, tokens/s against time, per drafter replica;
+                                   the held-out loss and τ of the validation passes (data.validation) dashed
     RUN_DIR/plots/acceptance.png   the evaluation's acceptance-length histogram per drafter (from RUN_DIR/eval.json,
                                    which the demo writes, or --eval FILE: `consumer.evaluate --json` output)
 
@@ -18,7 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CONSUMER_METRIC = re.compile(r"^consumer/(?P<name>[^/]+)/(?P<key>loss|tau_est|tokens_per_s|step)$")
+CONSUMER_METRIC = re.compile(
+    r"^consumer/(?P<name>[^/]+)/(?P<key>loss|tau_est|tokens_per_s|step|val_loss|val_tau_est|val_step)$")
 
 
 class PlotError(Exception):
@@ -27,11 +29,22 @@ class PlotError(Exception):
 
 @dataclass
 class Series:
-    """One consumer's curves: (step, value) for loss and τ, (seconds since the first window, tokens/s)."""
+    """One consumer's curves: (step, value) for loss and τ, (seconds since the first window, tokens/s), and
+    (step, value) of each validation pass (the held-out curve: one point per pass, at the step it evaluated)."""
 
     loss: list[tuple[float, float]] = field(default_factory=list)
     tau: list[tuple[float, float]] = field(default_factory=list)
     tokens_per_s: list[tuple[float, float]] = field(default_factory=list)
+    val_loss: list[tuple[float, float]] = field(default_factory=list)
+    val_tau: list[tuple[float, float]] = field(default_factory=list)
+
+    def add_validation(self, row: dict[str, float]) -> None:
+        """A window's validation figures; the gauges repeat in later windows until the next pass: kept once."""
+        step = row["val_step"]
+        for attr, key in (("val_loss", "val_loss"), ("val_tau", "val_tau_est")):
+            points = getattr(self, attr)
+            if key in row and (not points or points[-1][0] != step):
+                points.append((step, row[key]))
 
 
 def read_series(metrics_path: Path) -> tuple[dict[str, Series], list[tuple[float, float]]]:
@@ -65,6 +78,8 @@ def read_series(metrics_path: Path) -> tuple[dict[str, Series], list[tuple[float
                     s.tau.append((row["step"], row["tau_est"]))
             if "tokens_per_s" in row:
                 s.tokens_per_s.append((t - t0, row["tokens_per_s"]))
+            if "val_step" in row:
+                s.add_validation(row)
         if isinstance(metrics.get("pipeline/tokens_per_s"), (int, float)):
             pipeline.append((t - t0, float(metrics["pipeline/tokens_per_s"])))
     return series, pipeline
@@ -80,18 +95,24 @@ def _pyplot():
 
 
 def plot_training(metrics_path: Path, out: Path) -> Path:
-    """Three panels, one line per consumer: loss and τ against step, tokens/s against time (and the
-    producers' total)."""
+    """Three panels, one line per consumer: loss and τ against step (training batches solid, held-out passes
+    dashed), tokens/s against time (and the producers' total)."""
     series, pipeline = read_series(metrics_path)
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
-    panels = (("loss", "loss", "step"), ("tau", "τ (tau_est, training batches)", "step"),
+    held_out = any(s.val_tau for s in series.values())
+    panels = (("loss", "loss" + (" (dashed: held-out)" if held_out else ""), "step"),
+              ("tau", "τ (tau_est" + ("; dashed: held-out)" if held_out else ", training batches)"), "step"),
               ("tokens_per_s", "tokens/s", "seconds"))  # fmt: skip
     for ax, (attr, title, xlabel) in zip(axes, panels, strict=True):
         for name, s in sorted(series.items()):
             points = getattr(s, attr)
             if points:
-                ax.plot(*zip(*points, strict=True), label=name, linewidth=1.4)
+                (line,) = ax.plot(*zip(*points, strict=True), label=name, linewidth=1.4)
+            val = getattr(s, f"val_{attr}", None)
+            if val:
+                ax.plot(*zip(*val, strict=True), label=f"{name} held-out", linestyle="--", marker="o", markersize=3,
+                        color=line.get_color() if points else None)
         if attr == "tokens_per_s" and pipeline:
             ax.plot(*zip(*pipeline, strict=True), label="producers (total)", color="black", linestyle="--")
         ax.set_title(title)

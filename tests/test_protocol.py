@@ -68,7 +68,7 @@ def test_oversized_and_nested_values_rejected():
     ring = {"path": {"nested": 1}}
     with pytest.raises(ProtocolError, match="plain value"):
         decode(msgpack.packb([PROTOCOL_VERSION, 2, 1, "cpu", 4, 10, ring, 1.0, 5.0, ""]))
-    bad_layout = [PROTOCOL_VERSION, 4, 1, 1, 0, 0, [["h", "float32", "4x4", 0]], [], 1, 1]
+    bad_layout = [PROTOCOL_VERSION, 4, 1, 1, 0, 0, [["h", "float32", "4x4", 0]], [], 1, 1, 0, 0, 0]
     with pytest.raises(ProtocolError, match="expected list"):
         decode(msgpack.packb(bad_layout))
 
