@@ -3,7 +3,7 @@
     python -m bench.pipeline_stages --assets DIR --chats N --warmup W --cores P,C balanced=JOB heavy_target=JOB
 
 Builds the benchmark's assets once (tokenizer, random Qwen3 target, chat data), reads the batches of each
-job's plan exactly as the producer does (producer.__main__.build_dataset), loads the target and the
+job's plan exactly as the producer does (producer.build.build_dataset), loads the target and the
 drafter trainers exactly as the producer and consumer entry points do, warms every variant up on the
 first W batches, then answers on stdout: one JSON line when ready, one per {"rep": K} line on stdin
 ({"quit": true} ends it). Everything else it prints goes to stderr, so the protocol lines stay clean.
@@ -46,7 +46,7 @@ from common.host_memory import keep_freed_memory
 from consumer.target_parts import TargetParts, load_target_parts
 from consumer.trainer import Trainer
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-from producer.__main__ import build_dataset
+from producer.build import build_dataset
 from producer.prefetch import PackedBatch, pack_batch
 from producer.target import TargetCapture, load_target
 

@@ -52,7 +52,7 @@ import resource
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import psutil
@@ -202,6 +202,12 @@ def _expect(value: Any, types: type | tuple, where: str) -> None:
 def _expect_number(value: Any, where: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise StatsDecodeError(f"{where} must be a number, got {type(value).__name__}")
+
+
+class StatsSink(Protocol):
+    """What a service loop publishes through: a `StatsPublisher`, or a test's recorder."""
+
+    def maybe_publish(self, step: int | None = None, extra_gauges: dict[str, float] | None = None) -> bool: ...
 
 
 class StatsPublisher:

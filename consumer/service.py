@@ -16,11 +16,11 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
 from common.startup import StartupBeat
+from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
@@ -56,10 +56,6 @@ class StopSignal:
     def _stop(self, signum, _frame) -> None:
         if self.reason is None:  # the first signal says why (launch.sh's SIGTERM follows a SIGHUP to the group)
             self.reason = stop_reason(signum)
-
-
-class StatsSink(Protocol):
-    def maybe_publish(self, step: int | None = None, extra_gauges: dict | None = None) -> bool: ...
 
 
 class ConsumerService:
@@ -124,9 +120,6 @@ class ConsumerService:
     @property
     def _stop_reason(self) -> str | None:
         return self._stop.reason if self._stop else None
-
-    def stopping(self) -> bool:
-        return self._stop_reason is not None
 
     def run(self) -> int:
         if self._stop is None:

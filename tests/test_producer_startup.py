@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import producer.__main__ as producer_main
+import producer.build as producer_build
 from common.config import parse_job
 from common.packed_batch import required_slot_bytes
 from common.ring import RingError, SlotRing
@@ -62,8 +63,8 @@ def test_a_replica_makes_its_gpu_current_then_the_ring_then_loads_the_target(tmp
         raise TargetLoadError(f"{path}: stand-in, nothing to load")
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(producer_main, "create_ring", create_ring)
-    monkeypatch.setattr(producer_main, "load_target", load_target)
+    monkeypatch.setattr(producer_build, "create_ring", create_ring)
+    monkeypatch.setattr(producer_build, "load_target", load_target)
     assert producer_main.main(["--job", str(write_job(tmp_path)), "--replica", "1"]) == 2
     # replica 1's GPU is cuda:1: current first; the ring sized from config.json (2 layers x 48, bf16) before the load
     assert calls == [("set_device", "cuda:1"), ("ring", "cuda:1", 96, "bfloat16"), ("load_target", "cuda:1")]
@@ -116,7 +117,7 @@ def test_the_next_batch_is_read_and_packed_while_the_current_forward_runs():
     n = 4
     data = GatedSamples(n)
     seen = []
-    for batch in producer_main.batch_stream(data, OneSamplePerBatch(n), depth=1)(0):
+    for batch in producer_build.batch_stream(data, OneSamplePerBatch(n), depth=1)(0):
         data.forward_began[batch.seq].set()  # the target forward of this batch runs from here...
         if batch.seq + 1 < n:
             assert data.was_read[batch.seq + 1].wait(30), f"batch {batch.seq + 1} was not read during forward {batch.seq}"

@@ -12,7 +12,7 @@ import pytest
 
 from common.config import load_job
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-from producer.__main__ import build_dataset
+from producer.build import build_dataset
 from producer.data import ChatEncoder
 
 QWEN3_STYLE = (
