@@ -24,6 +24,7 @@ from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.resume_points import ResumePoints
 from consumer.stream import (
     BatchStream,
     ConsumerRejected,
@@ -53,6 +54,10 @@ class StopSignal:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._stop)
 
+    def requested(self) -> bool:
+        """Polled by the streams while they wait for the producer."""
+        return self.reason is not None
+
     def _stop(self, signum, _frame) -> None:
         if self.reason is None:  # the first signal says why (launch.sh's SIGTERM follows a SIGHUP to the group)
             self.reason = stop_reason(signum)
@@ -66,7 +71,7 @@ class ConsumerService:
         save_checkpoint: Callable[[GroupCheckpoint], None],
         *,
         group: ReplicaGroup,
-        cursor: GroupCursor,
+        resume: ResumePoints,
         checkpoint_every: int,
         idle_timeout_s: float,
         prof: ProfileStats | None = None,
@@ -78,13 +83,14 @@ class ConsumerService:
         beat: StartupBeat | None = None,
     ):
         """`save_checkpoint(what)` writes `what` (trainer + group cursor) atomically; the caller binds where.
-        `cursor` is where the group resumes (from its checkpoint, or fresh), one per producer of each node:
-        `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p."""
+        `resume` holds where the group resumes (its cursor, from its checkpoint or fresh, one per producer of each
+        node: `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p);
+        the stream asks it for the seq of each HELLO, this loop advances it."""
         self.trainer = trainer
         self.stream = stream
         self.save_checkpoint = save_checkpoint
         self.group = group
-        self.cursor = cursor
+        self.resume = resume
         self.checkpoint_every = checkpoint_every
         self.idle_timeout_s = idle_timeout_s
         self.prof = prof
@@ -92,7 +98,7 @@ class ConsumerService:
         self.name = name
         self.trace = trace
         self.ledger = ledger  # the job log of steps and checkpoints (common/accounting.py)
-        self.node = group.env.node_rank
+        self.node = resume.node
         self._stop = stop
         self._saved_step = trainer.step
         self._connected = False
@@ -106,16 +112,18 @@ class ConsumerService:
         self._step_samples: list[int] = []
         self._group_tokens = 0  # the group's tokens in the step being accumulated
         self._trained: list[int] = []  # seqs of completed steps since the last checkpoint
-        self._skip = cursor.above(self.node)  # trained before the checkpoint we resumed from
-        self.producers = cursor.producers
-        self._highest_seen: dict[int, int] = {}  # per producer: the highest seq trained since the start
+        self._skip = resume.cursor.above(self.node)  # trained before the checkpoint we resumed from
+        self.producers = resume.cursor.producers
         self.beat = beat
         self._startup: contextlib.ExitStack | None = None  # the "first batch" phase, until the first step
 
+    @property
+    def cursor(self) -> GroupCursor:
+        return self.resume.cursor
+
     def resume_seq(self, producer: int = 0) -> int:
-        """The seq this replica asks `producer` for in HELLO: the group's cursor for that producer, past what
-        this replica trained from it since (a producer resumes at its first seq from there)."""
-        return max(self.cursor.cursors[self.node][producer], self._highest_seen.get(producer, -1) + 1)
+        """The seq this replica asks `producer` for in HELLO (consumer/resume_points.py)."""
+        return self.resume.seq(producer)
 
     @property
     def _stop_reason(self) -> str | None:
@@ -197,8 +205,7 @@ class ConsumerService:
             self.trainer.accumulate(item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.seq)
             self._round = item
             self._round_tokens = item.input_ids.numel()
-            p = item.seq % self.producers
-            self._highest_seen[p] = max(self._highest_seen.get(p, -1), item.seq)
+            self.resume.saw(item.seq)
 
     def _flags(self) -> RoundFlags:
         starved = self._round is None and time.monotonic() - self._waiting_since >= self.idle_timeout_s
@@ -263,7 +270,7 @@ class ConsumerService:
         """Collective: every replica reports what it trained; global rank 0 alone writes."""
         start = time.perf_counter()
         trained = self.group.gather_trained(self._trained)
-        self.cursor = self.cursor.advance(trained)
+        self.resume.cursor = self.cursor.advance(trained)
         self._trained = []
         self._saved_step = self.trainer.step
         if self.group.is_writer:

@@ -1,0 +1,153 @@
+"""The consumer's builders: a validated job (plus drafter, replica group and device) → one drafter replica's
+running objects: the trainer resumed from its checkpoint, the streams from every producer, the service.
+
+consumer/__main__.py, bench and tests build through these, so a change to how a consumer is assembled reaches
+all three. Stand-ins (a sleeping trainer, a scripted stream) are arguments of `build_service`, not patches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.accounting import LineageError, TrainLedger, ledger_id_of, resume_lineage
+from common.config import DrafterConfig, JobConfig, dflash_layer_ids
+from common.profile import ProfileStats
+from common.startup import StartupBeat
+from common.stats import StatsPublisher, StatsSink
+from common.storage import StorageError, check_room
+from consumer.checkpoint import (
+    NoIntactCheckpoint,
+    checkpoint_bytes,
+    drafter_shape,
+    resume_checkpoint,
+    save_checkpoint,
+)
+from consumer.distributed import GroupEnv, ReplicaGroup, StepTrace
+from consumer.fanin import FanIn
+from consumer.group_cursor import GroupCheckpoint, GroupCursor
+from consumer.resume_points import ResumePoints
+from consumer.service import ConsumerService, StopSignal
+from consumer.shape import ShapeMismatch, check_shape
+from consumer.stream import BatchStream
+from consumer.target_parts import TargetPartsError, load_target_parts
+from consumer.trainer import NonFiniteCheckpointError, Trainer
+
+log = logging.getLogger("consumer")
+
+# what loading can fail with because of the job, the disk or the checkpoint: one named line, exit 2
+LOAD_ERRORS = (TargetPartsError, StorageError, NoIntactCheckpoint, NonFiniteCheckpointError, ShapeMismatch,
+               LineageError)
+
+
+def open_stats(job: JobConfig, name: str, interval_s: float) -> tuple[ProfileStats | None, StatsPublisher | None]:
+    """The profile and its publisher (both None when `interval_s` is 0), published from the start, so that
+    loading and compiling show as phases, not as a silent process."""
+    if interval_s <= 0:
+        return None, None
+    prof = ProfileStats()
+    return prof, StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval_s, prof)
+
+
+@dataclass
+class Training:
+    """A replica's trainer, resumed (or fresh), with where its group's data resumes."""
+
+    trainer: Trainer
+    cursor: GroupCursor
+    resumed: tuple[str, dict] | None  # (checkpoint path, state) it resumed from
+    lineages: list[str]
+    layer_ids: list[int]
+    checkpoints: Path  # the drafter's checkpoint folder
+
+    def ledger(self, job: JobConfig, cfg: DrafterConfig, env: GroupEnv) -> TrainLedger:
+        """The job log of this replica's steps and checkpoints (common/accounting.py), continuing the resumed one."""
+        where, state = self.resumed or (None, None)
+        return TrainLedger(job.run_paths.root, cfg.name, env.rank, env.world_size, base_step=self.trainer.step,
+                           base=ledger_id_of(state) if state else None, resumed_from=where, lineages=self.lineages)
+
+
+def load_training(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, group: ReplicaGroup, device: torch.device,
+                  prof: ProfileStats | None, name: str) -> Training:
+    """The trainer (FSDP-sharded when asked) resumed from the newest intact checkpoint global rank 0 reads, the
+    group cursor, the parameters broadcast; raises one of LOAD_ERRORS, each naming what was wrong."""
+    parts = load_target_parts(job.target.path)
+    layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
+    trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof,
+                      tokens_per_batch=job.data.tokens_per_batch)
+    if cfg.distributed == "fsdp":
+        group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
+    ckpt_root = job.run_paths.checkpoints(cfg.name)
+    if group.is_writer:  # a read-only or full disk is a clear error now, not a lost checkpoint hours later
+        check_room(ckpt_root, checkpoint_bytes(trainer), f"drafter {cfg.name}'s checkpoint folder")
+
+    def latest():
+        ckpt = resume_checkpoint(ckpt_root)  # falls back past broken ones, saying so
+        return None if ckpt is None else (str(ckpt.path), ckpt.state)
+
+    resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
+    if resumed is not None:
+        check_shape(resumed[1], drafter_shape(trainer), cfg.name, resumed[0])  # changed: one line, exit 2
+        trainer.load_state_dict(resumed[1], resumed[0])
+    # a new data.lineage trains a new plan from these weights, from a fresh cursor (common/accounting.py)
+    lineages, same_plan = resume_lineage(resumed[1] if resumed else None, job.data.lineage,
+                                         resumed[0] if resumed else "")
+    cursor = GroupCursor.fresh(env.nnodes, job.target.replicas)  # one cursor per producer of each node
+    if resumed is not None and not same_plan:
+        log.info("resumed the weights of %s (step %d) into data lineage %r (after %s): a new plan from seq 0",
+                 resumed[0], trainer.step, lineages[-1], ", ".join(map(repr, lineages[:-1])))
+    elif resumed is not None:
+        where, state = resumed
+        cursor = GroupCursor.from_state(state, env.nnodes, job.target.replicas, where)
+        log.info("resumed from %s: step %d, next seq per producer %s", where, trainer.step,
+                 list(cursor.cursors[env.node_rank]))
+    group.broadcast_params(trainer.params)
+    if group.world_size > 1:
+        trainer.grad_sync = group.sum_grads
+        log.info("%s is rank %d of %d (node %d of %d), group at %s:%d", name, env.rank, env.world_size,
+                 env.node_rank, env.nnodes, env.master_addr, env.master_port)
+    return Training(trainer, cursor, resumed, lineages, layer_ids, ckpt_root)
+
+
+def build_stream(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, device: torch.device, resume: ResumePoints,
+                 stop: StopSignal, *, prof: ProfileStats | None = None, launch_id: str = "") -> BatchStream | FanIn:
+    """One stream per target replica's producer (consumer/fanin.py), each asking `resume` for its seq."""
+    streams = [BatchStream(job, cfg.name, env.local_rank, device, resume_seq=lambda p=p: resume.seq(p), prof=prof,
+                           node=env.node_rank, launch_id=launch_id, stopping=stop.requested, producer=p)
+               for p in range(job.target.replicas)]
+    return streams[0] if len(streams) == 1 else FanIn(streams)
+
+
+def build_service(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, group: ReplicaGroup, device: torch.device,
+                  trainer: Trainer, cursor: GroupCursor, *, stream: BatchStream | FanIn | None = None,
+                  save=None, ledger: TrainLedger | None = None, trace: StepTrace | None = None,
+                  stop: StopSignal | None = None, prof: ProfileStats | None = None, stats: StatsSink | None = None,
+                  beat: StartupBeat | None = None, name: str | None = None, launch_id: str = "") -> ConsumerService:
+    """The training loop of one replica over `trainer`, resuming at `cursor`. `stream`: the job's streams
+    (None) or a stand-in; `save(what)`: where a checkpoint goes (None: nowhere, a bench's choice)."""
+    stop = stop or StopSignal()
+    resume = ResumePoints(cursor, env.node_rank)
+    if stream is None:
+        stream = build_stream(job, cfg, env, device, resume, stop, prof=prof, launch_id=launch_id)
+    return ConsumerService(trainer, stream, save or _discard, group=group, resume=resume,
+                           checkpoint_every=cfg.checkpoint_every, idle_timeout_s=job.transport.heartbeat_interval_s,
+                           prof=prof, stats=stats, name=name or f"{cfg.name}_r{env.rank}", trace=trace, ledger=ledger,
+                           stop=stop, beat=beat)
+
+
+def build_consumer(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, group: ReplicaGroup, device: torch.device,
+                   training: Training, *, stop: StopSignal, prof: ProfileStats | None, stats: StatsSink | None,
+                   beat: StartupBeat | None, name: str, launch_id: str, trace_path: str | None) -> ConsumerService:
+    """Production's service: checkpoints to the drafter's folder, the job log continued, the step trace."""
+    root = training.checkpoints
+    return build_service(job, cfg, env, group, device, training.trainer, training.cursor,
+                         save=lambda what: save_checkpoint(root, what), ledger=training.ledger(job, cfg, env),
+                         trace=StepTrace(trace_path, env.rank, env.node_rank) if trace_path else None, stop=stop,
+                         prof=prof, stats=stats, beat=beat, name=name, launch_id=launch_id)
+
+
+def _discard(what: GroupCheckpoint) -> None:
+    """No checkpoint: a benchmark's or test's stand-in trainer has nothing worth keeping."""
