@@ -15,7 +15,14 @@ from common.supervisor import STOP_SIGNALS
 from consumer.build import build_service
 from consumer.distributed import GroupEnv, GroupError, ReplicaGroup
 from consumer.group_cursor import GroupCursor
-from consumer.service import EXIT_FAILED, EXIT_GROUP_LOST, EXIT_OK, EXIT_PRODUCER_LOST, EXIT_REJECTED, StopSignal
+from consumer.service import (
+    EXIT_FAILED,
+    EXIT_GROUP_LOST,
+    EXIT_OK,
+    EXIT_PRODUCER_LOST,
+    EXIT_REJECTED,
+    StopSignal,
+)
 from consumer.stream import ConsumerRejected, ProducerLost, ReceivedBatch, StreamEnd
 from consumer.trainer import NonFiniteTrainingError
 
@@ -143,7 +150,7 @@ def test_a_stop_signal_finishes_the_round_checkpoints_and_exits_cleanly(job, res
 def test_a_lost_producer_saves_what_was_trained_and_exits_3_without_a_bye(job, restore_signals):
     status, trainer, stream, saved = run_loop(job, [batch(0), batch(1), ProducerLost("no heartbeat for 2.0 s")])
     assert status == EXIT_PRODUCER_LOST
-    assert saved == [(2, 2)] and stream.byes == [] and stream.closed
+    assert trainer.trained == [0, 1] and saved == [(2, 2)] and stream.byes == [] and stream.closed
 
 
 def test_a_rejected_consumer_exits_4_saving_nothing(job, restore_signals):
