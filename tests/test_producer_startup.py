@@ -13,6 +13,7 @@ import torch
 
 import producer.__main__ as producer_main
 import producer.build as producer_build
+from bench import harness
 from common.config import parse_job
 from common.packed_batch import required_slot_bytes
 from common.ring import RingError, SlotRing
@@ -28,26 +29,12 @@ def write_job(tmp_path: Path) -> Path:
     (target / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "hidden_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 128, "head_dim": 12}))
-    job = tmp_path / "job.toml"
-    job.write_text(f"""
-[job]
-name = "startup-{secrets.token_hex(4)}"
-run_dir = "{tmp_path / 'run'}"
-[target]
-path = "{target}"
-layer_ids = [1, 3]
-replicas = 2
-devices = ["cuda:0", "cuda:1"]
-[data]
-path = "{tmp_path / 'data.jsonl'}"
-max_length = 64
-tokens_per_batch = 64
-[telemetry]
-interval_s = 0
-[[drafters]]
-name = "d0"
-""")
-    return job
+    return harness.write_job(tmp_path / "job.toml", {
+        "job": {"name": f"startup-{secrets.token_hex(4)}", "run_dir": str(tmp_path / "run")},
+        "target": {"path": str(target), "layer_ids": [1, 3], "replicas": 2, "devices": ["cuda:0", "cuda:1"]},
+        "data": {"path": str(tmp_path / "data.jsonl"), "max_length": 64, "tokens_per_batch": 64},
+        "telemetry": {"interval_s": 0}, "drafters": [{"name": "d0"}],
+    })
 
 
 def test_a_replica_makes_its_gpu_current_then_the_ring_then_loads_the_target(tmp_path, monkeypatch):
