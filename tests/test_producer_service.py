@@ -101,13 +101,17 @@ def test_no_consumer_within_the_attach_timeout_exits_2(tmp_path, restore_signals
     assert not ring.exists()
 
 
-def test_a_lost_consumer_is_fenced_and_skip_mode_ends_with_status_1(tmp_path, restore_signals, caplog):
+@pytest.mark.parametrize("vanish", [True, False], ids=["crashed", "said-bye"])
+def test_skip_mode_ends_with_status_1_when_the_only_group_does_not_come_back(tmp_path, restore_signals, caplog,
+                                                                             vanish):
+    """The group left after 3 of 40 batches (a crash is fenced, a bye is not) and none came back within
+    transport.attach_timeout_s: the job ends without its remaining batches, which is not a success."""
     job = make_job(tmp_path, attach_s=1.0, on_dead_group="skip")
     service = producer(job, 40)
-    consumer = Consumer(job, n=2, vanish=True)  # gone without a bye, as a crash
+    consumer = Consumer(job, n=3, vanish=vanish)
     consumer.start()
-    assert service.run() == 1  # the job ended without the group's remaining batches: not a success
+    assert service.run() == 1
     consumer.join(20)
-    assert consumer.seqs == [0, 1] and consumer.intact
-    assert service.counters.fenced == 1 and service.table.in_use == 0
-    assert "ending the job without their remaining batches" in caplog.text
+    assert consumer.seqs == [0, 1, 2] and consumer.intact
+    assert service.counters.fenced == int(vanish) and service.table.in_use == 0
+    assert "no consumer of drafter(s) ['d0'] came back within 1 s" in caplog.text
