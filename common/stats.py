@@ -351,3 +351,13 @@ class StatsPublisher:
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def open_stats(run_paths: RunPaths, role: str, name: str, interval_s: float,
+               ) -> tuple[ProfileStats | None, StatsPublisher | None]:
+    """A process's profile and its publisher to the job's telemetry (both None when `interval_s` is 0),
+    opened at start so that loading shows as a phase, not as a silent process."""
+    if interval_s <= 0:
+        return None, None
+    prof = ProfileStats()
+    return prof, StatsPublisher(ingest_endpoint(run_paths), role, name, interval_s, prof)

@@ -16,8 +16,9 @@ import torch
 from common.config import ConfigError, load_job
 from common.joblock import JobLocked, enter
 from common.startup import StartupBeat
+from common.stats import open_stats
 from common.supervisor import watch_supervisor
-from consumer.build import LOAD_ERRORS, build_consumer, load_training, open_stats
+from consumer.build import LOAD_ERRORS, build_consumer, load_training
 from consumer.distributed import DEFAULT_TIMEOUT_S, GroupEnv, GroupError, ReplicaGroup
 from consumer.service import EXIT_GROUP_LOST, StopSignal
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(job.job.seed)
 
     interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
-    prof, stats = open_stats(job, name, interval)
+    prof, stats = open_stats(job.run_paths, "consumer", name, interval)
     try:
         group = ReplicaGroup(env, device, timeout_s=args.dist_timeout, prof=prof)
     except GroupError as err:

@@ -17,7 +17,7 @@ from common.accounting import LineageError, TrainLedger, ledger_id_of, resume_li
 from common.config import DrafterConfig, JobConfig, dflash_layer_ids
 from common.profile import ProfileStats
 from common.startup import StartupBeat
-from common.stats import StatsPublisher, StatsSink
+from common.stats import StatsSink
 from common.storage import StorageError, check_room
 from consumer.checkpoint import (
     NoIntactCheckpoint,
@@ -33,7 +33,7 @@ from consumer.resume_points import ResumePoints
 from consumer.service import ConsumerService, StopSignal
 from consumer.shape import ShapeMismatch, check_shape
 from consumer.stream import BatchStream
-from consumer.target_parts import TargetPartsError, load_target_parts
+from consumer.target_parts import TargetParts, TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
 
 log = logging.getLogger("consumer")
@@ -41,15 +41,6 @@ log = logging.getLogger("consumer")
 # what loading can fail with because of the job, the disk or the checkpoint: one named line, exit 2
 LOAD_ERRORS = (TargetPartsError, StorageError, NoIntactCheckpoint, NonFiniteCheckpointError, ShapeMismatch,
                LineageError)
-
-
-def open_stats(job: JobConfig, name: str, interval_s: float) -> tuple[ProfileStats | None, StatsPublisher | None]:
-    """The profile and its publisher (both None when `interval_s` is 0), published from the start, so that
-    loading and compiling show as phases, not as a silent process."""
-    if interval_s <= 0:
-        return None, None
-    prof = ProfileStats()
-    return prof, StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "consumer", name, interval_s, prof)
 
 
 @dataclass
@@ -70,14 +61,23 @@ class Training:
                            base=ledger_id_of(state) if state else None, resumed_from=where, lineages=self.lineages)
 
 
+def target_layer_ids(job: JobConfig, parts: TargetParts) -> list[int]:
+    """The job's captured layers; the DFlash default for the target's depth where the job names none."""
+    return list(job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features))
+
+
+def new_trainer(job: JobConfig, cfg: DrafterConfig, parts: TargetParts, device: torch.device,
+                prof: ProfileStats | None = None) -> Trainer:
+    """A fresh trainer of drafter `cfg` over the job's captured layers, seeded by the job."""
+    return Trainer(cfg, parts, target_layer_ids(job, parts), device, job_seed=job.job.seed, prof=prof,
+                   tokens_per_batch=job.data.tokens_per_batch)
+
+
 def load_training(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, group: ReplicaGroup, device: torch.device,
                   prof: ProfileStats | None, name: str) -> Training:
     """The trainer (FSDP-sharded when asked) resumed from the newest intact checkpoint global rank 0 reads, the
     group cursor, the parameters broadcast; raises one of LOAD_ERRORS, each naming what was wrong."""
-    parts = load_target_parts(job.target.path)
-    layer_ids = job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features)
-    trainer = Trainer(cfg, parts, layer_ids, device, job_seed=job.job.seed, prof=prof,
-                      tokens_per_batch=job.data.tokens_per_batch)
+    trainer = new_trainer(job, cfg, load_target_parts(job.target.path), device, prof)
     if cfg.distributed == "fsdp":
         group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
     ckpt_root = job.run_paths.checkpoints(cfg.name)
@@ -109,7 +109,7 @@ def load_training(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, group: Repl
         trainer.grad_sync = group.sum_grads
         log.info("%s is rank %d of %d (node %d of %d), group at %s:%d", name, env.rank, env.world_size,
                  env.node_rank, env.nnodes, env.master_addr, env.master_port)
-    return Training(trainer, cursor, resumed, lineages, layer_ids, ckpt_root)
+    return Training(trainer, cursor, resumed, lineages, trainer.target_layer_ids, ckpt_root)
 
 
 def build_stream(job: JobConfig, cfg: DrafterConfig, env: GroupEnv, device: torch.device, resume: ResumePoints,

@@ -16,9 +16,10 @@ from common.joblock import JobLocked
 from common.launch_plan import producer_name
 from common.ring import RingError
 from common.startup import StartupBeat
+from common.stats import open_stats
 from common.storage import StorageError
 from common.supervisor import watch_supervisor
-from producer.build import build_producer, claim_run_folder, load, open_stats, stop_followers
+from producer.build import build_producer, claim_run_folder, load, stop_followers
 from producer.data import DataError
 from producer.target import TargetLoadError
 from producer.tp import TPRank, TPSetupError, follow
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.startswith("cuda"):  # before anything touches CUDA: bare "cuda" tensors, stats and UUIDs are its
             torch.cuda.set_device(device)
         interval = job.telemetry.interval_s if args.profile_interval is None else args.profile_interval
-        prof, stats = open_stats(job, name, interval if tp.rank == 0 else 0)
+        prof, stats = open_stats(job.run_paths, "producer", name, interval if tp.rank == 0 else 0)
         beat = StartupBeat(stats, log, name)
         with beat.phase("loading", f"target {job.target.path} and the data index"):
             loaded = load(job, node=args.node_rank, nnodes=args.nnodes, replica=args.replica, tp=tp, device=device)

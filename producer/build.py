@@ -22,7 +22,7 @@ from common.joblock import JobLock, enter
 from common.profile import ProfileStats
 from common.ring import SlotRing
 from common.startup import StartupBeat
-from common.stats import StatsPublisher, StatsSink
+from common.stats import StatsSink
 from common.storage import check_writable
 from producer.data import ChatDataset, ChatEncoder, HubSelection, RecordLimits
 from producer.fingerprint import check_plan, plan_fingerprint
@@ -48,15 +48,6 @@ def claim_run_folder(job: JobConfig, job_file: str | os.PathLike, name: str, nod
     if copy_job and os.path.abspath(job_file) != str(job.run_paths.job_copy.resolve()):
         shutil.copyfile(job_file, job.run_paths.job_copy)
     return lock
-
-
-def open_stats(job: JobConfig, name: str, interval_s: float) -> tuple[ProfileStats | None, StatsPublisher | None]:
-    """The profile and its publisher (both None when `interval_s` is 0), published from the start, so that
-    loading shows as a phase, not as a silent process."""
-    if interval_s <= 0:
-        return None, None
-    prof = ProfileStats()
-    return prof, StatsPublisher(job.run_paths.ipc("telemetry-in.sock"), "producer", name, interval_s, prof)
 
 
 # ---------------------------------------------------------------------------------------------- the data
@@ -148,6 +139,13 @@ def ring_before_target(job: JobConfig, node: int, replica: int) -> SlotRing | No
     return create_ring(job, replica, job.ring_name(node, replica), n * hidden, job.target.dtype)
 
 
+def load_job_target(job: JobConfig, device: str) -> TargetCapture:
+    """The job's target on `device`, cut to its captured layers (tensor/expert parallel as the job says)."""
+    t = job.target
+    return load_target(t.path, t.layer_ids, t.num_features, t.dtype, device, t.attn_implementation,
+                       distributed_config(t))
+
+
 @dataclass
 class Loaded:
     """What the loading phase made: the target on every rank; the ring and the data plan on rank 0 alone."""
@@ -164,11 +162,9 @@ def load(job: JobConfig, *, node: int, nnodes: int, replica: int, tp: TPRank, de
     tp_group = init_group(device, max(60.0, 6 * job.transport.heartbeat_timeout_s)) if tp.world > 1 else None
     ring = ring_before_target(job, node, replica) if tp.rank == 0 else None
     try:
-        t = job.target
-        target = load_target(t.path, t.layer_ids, t.num_features, t.dtype, device, t.attn_implementation,
-                             distributed_config(t))
-        if t.ep_size > 1:
-            log.info("rank %d: %s", tp.rank, ep_shard(target.model, t))
+        target = load_job_target(job, device)
+        if job.target.ep_size > 1:
+            log.info("rank %d: %s", tp.rank, ep_shard(target.model, job.target))
         data = load_data(job, node, nnodes) if tp.rank == 0 else None
         if tp_group is not None and tp.rank == 0:
             tp_group.started()  # the followers wait for this before their first command
