@@ -77,7 +77,10 @@ SERVICE_CLASS_TESTS = {"tests/test_faults_producer.py", "tests/test_producer_sta
 def wiring_problems(path: Path) -> list[str]:
     """How `path` reaches around the builders: a service constructed by hand, or anything but `main` taken
     from an entry script (`producer.__main__`, `consumer.__main__`)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    text = path.read_text()
+    if "Service(" not in text and "__main__" not in text:
+        return []  # neither can occur: spare the parse
+    tree = ast.parse(text, filename=str(path))
     found, aliases = [], set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith(".__main__"):
