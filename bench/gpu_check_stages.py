@@ -114,9 +114,9 @@ def stage_assets(workdir: Path) -> dict:
 
 
 def _batches(workdir: Path):
-    """The stage job's plan, packed as the producer packs it (producer.__main__.build_dataset)."""
+    """The stage job's plan, packed as the producer packs it (producer.build.build_dataset)."""
     from common.config import load_job
-    from producer.__main__ import build_dataset
+    from producer.build import build_dataset
     from producer.prefetch import pack_batch
 
     job = load_job(workdir / "stages" / "job.toml")

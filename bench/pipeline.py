@@ -74,6 +74,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench import harness
 from bench.pipeline_procs import LoadMeter, Worker, run_pipeline
 
 TARGET_SHAPE = dict(
@@ -112,44 +113,19 @@ RUNS = {
 
 def write_job(path: Path, run_dir: Path, assets: Path, setting: Setting, drafters: int) -> Path:
     """The job file of one run (also read by the stage worker, so both see the same batch plan)."""
-    drafter_tables = "".join(
-        f"""
-[[drafters]]
-name = "d{i}"
-block_size = {setting.block_size}
-num_layers = {setting.drafter_layers}
-anchors_per_seq = {setting.anchors_per_seq}
-checkpoint_every = 1000000
-log_every = 1000000
-total_steps = 100000
-"""
-        for i in range(drafters)
-    )
+    drafters = [{"name": f"d{i}", "block_size": setting.block_size, "num_layers": setting.drafter_layers,
+                 "anchors_per_seq": setting.anchors_per_seq, "checkpoint_every": 1000000, "log_every": 1000000,
+                 "total_steps": 100000} for i in range(drafters)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"""
-[job]
-name = "bench-{run_dir.parent.name[4:]}-{run_dir.name}"
-run_dir = "{run_dir}"
-seed = 7
-[target]
-path = "{assets / "target"}"
-dtype = "float32"
-layer_ids = {list(setting.layer_ids)}
-num_features = {len(setting.layer_ids)}
-[data]
-path = "{assets / "chats.jsonl"}"
-max_length = {MAX_LENGTH}
-tokens_per_batch = {TOKENS_PER_BATCH}
-[transport]
-slots = 4
-heartbeat_interval_s = 1.0
-heartbeat_timeout_s = 30.0
-attach_timeout_s = 300
-[telemetry]
-interval_s = {STATS_INTERVAL_S}
-wandb_mode = "disabled"
-{drafter_tables}""")
-    return path
+    return harness.write_job(path, {
+        "job": {"name": f"bench-{run_dir.parent.name[4:]}-{run_dir.name}", "run_dir": str(run_dir), "seed": 7},
+        "target": {"path": str(assets / "target"), "dtype": "float32", "layer_ids": list(setting.layer_ids),
+                   "num_features": len(setting.layer_ids)},
+        "data": {"path": str(assets / "chats.jsonl"), "max_length": MAX_LENGTH, "tokens_per_batch": TOKENS_PER_BATCH},
+        "transport": {"slots": 4, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0, "attach_timeout_s": 300},
+        "telemetry": {"interval_s": STATS_INTERVAL_S, "wandb_mode": "disabled"},
+        "drafters": drafters,
+    })
 
 
 # ------------------------------------------------------------------------------------ the benchmark

@@ -3,7 +3,7 @@
     python -m bench.pipeline_stages --assets DIR --chats N --warmup W --cores P,C balanced=JOB heavy_target=JOB
 
 Builds the benchmark's assets once (tokenizer, random Qwen3 target, chat data), reads the batches of each
-job's plan exactly as the producer does (producer.__main__.build_dataset), loads the target and the
+job's plan exactly as the producer does (producer.build.build_dataset), loads the target and the
 drafter trainers exactly as the producer and consumer entry points do, warms every variant up on the
 first W batches, then answers on stdout: one JSON line when ready, one per {"rep": K} line on stdin
 ({"quit": true} ends it). Everything else it prints goes to stderr, so the protocol lines stay clean.
@@ -41,14 +41,16 @@ import torch
 import transformers
 
 from bench.pipeline import TARGET_SHAPE
-from common.config import JobConfig, dflash_layer_ids, load_job
+from common.config import JobConfig, load_job
 from common.host_memory import keep_freed_memory
-from consumer.target_parts import TargetParts, load_target_parts
+from consumer.build import new_trainer as build_trainer
+from consumer.build import target_layer_ids  # noqa: F401 (the rule bench shares with production; tested here)
+from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-from producer.__main__ import build_dataset
+from producer.build import build_dataset, load_job_target
 from producer.prefetch import PackedBatch, pack_batch
-from producer.target import TargetCapture, load_target
+from producer.target import TargetCapture
 
 
 def build_assets(root: Path, chats: int) -> None:
@@ -69,20 +71,12 @@ def build_assets(root: Path, chats: int) -> None:
     write_jsonl(root / "chats.jsonl", synthetic_chats(chats, seed=1))
 
 
-def target_layer_ids(job: JobConfig, parts: TargetParts) -> list[int]:
-    """The job's captured layers; the DFlash default for the target's depth where it names none (as the
-    producer and consumer entry points do)."""
-    return list(job.target.layer_ids or dflash_layer_ids(parts.num_hidden_layers, job.target.num_features))
-
-
 def new_trainer(job: JobConfig, drafter: str) -> Trainer:
-    """As consumer.__main__ builds it, on the drafter's first device (the CPU when it names none)."""
+    """As the consumer builds it (consumer/build.py), on the drafter's first device (the CPU when it names none)."""
     torch.manual_seed(job.job.seed)
-    parts = load_target_parts(job.target.path)
     cfg = job.drafter(drafter)
     device = torch.device(cfg.devices[0] if cfg.devices else "cpu")
-    trainer = Trainer(cfg, parts, target_layer_ids(job, parts), device, job_seed=job.job.seed,
-                      tokens_per_batch=job.data.tokens_per_batch)
+    trainer = build_trainer(job, cfg, load_target_parts(job.target.path), device)
     trainer.warmup()
     return trainer
 
@@ -114,8 +108,7 @@ class JobStages:
         reader = dataset.reader()
         batches = [pack_batch(reader, planned) for planned in plan.batches_from(0)]
         reader.close()
-        t = job.target
-        target = load_target(t.path, t.layer_ids, t.num_features, t.dtype, t.device, t.attn_implementation)
+        target = load_job_target(job, job.target.device)
         buffer = torch.empty(
             job.data.tokens_per_batch, target.feature_width, dtype=target.dtype, device=target.device
         )

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import harness
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TransformersServe:
@@ -64,7 +58,7 @@ class TransformersServe:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> TransformersServe:
-        self.port = free_port()
+        self.port = harness.free_port()
         cli = Path(sys.executable).with_name("transformers")
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if self.threads:

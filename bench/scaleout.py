@@ -21,26 +21,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DRAFTER = """
-[[drafters]]
-name = "d0"
-block_size = 16
-num_layers = 2
-anchors_per_seq = 96
-loss_chunk_rows = 4096
-checkpoint_every = 100000
-log_every = 50
-total_steps = 100000
-replicas = {replicas}
-"""
+from bench import harness
+
+DRAFTER = {"name": "d0", "block_size": 16, "num_layers": 2, "anchors_per_seq": 96, "loss_chunk_rows": 4096,
+           "checkpoint_every": 100000, "log_every": 50, "total_steps": 100000}
 
 
 def build_assets(root: Path, records: int) -> Path:
@@ -54,57 +42,29 @@ def build_assets(root: Path, records: int) -> Path:
 
 
 def write_job(assets: Path, run_dir: Path, replicas: int, epochs: int) -> Path:
-    job = run_dir / "job.toml"
-    job.write_text(f"""
-[job]
-name = "scaleout-{run_dir.name}"
-run_dir = "{run_dir}"
-seed = 1
-[target]
-path = "{assets / 'target'}"
-dtype = "float32"
-layer_ids = [0]
-[data]
-path = "{assets / 'train.jsonl'}"
-max_length = 256
-tokens_per_batch = 512
-epochs = {epochs}
-[transport]
-slots = 8
-heartbeat_interval_s = 0.5
-heartbeat_timeout_s = 10.0
-[telemetry]
-interval_s = 1.0
-wandb_mode = "disabled"
-{DRAFTER.format(replicas=replicas)}
-""")
-    return job
-
-
-def spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "w") as out:  # the child holds its own copy of the descriptor
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return harness.write_job(run_dir / "job.toml", {
+        "job": {"name": f"scaleout-{run_dir.name}", "run_dir": str(run_dir), "seed": 1},
+        "target": {"path": str(assets / "target"), "dtype": "float32", "layer_ids": [0]},
+        "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": 512, "epochs": epochs},
+        "transport": {"slots": 8, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0},
+        "telemetry": {"interval_s": 1.0, "wandb_mode": "disabled"},
+        "drafters": [{**DRAFTER, "replicas": replicas}],
+    })
 
 
 def run_variant(assets: Path, replicas: int, epochs: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="dfs-", dir="/tmp"))
     try:
         job = write_job(assets, run_dir, replicas, epochs)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        port = free_port()
-        procs = [spawn(["-m", "producer", "--job", str(job)], run_dir / "producer.out", env)]
+        env = {"MKL_NUM_THREADS": "1"}
+        port = harness.free_port()
+        procs = [harness.spawn(["-m", "producer", "--job", job], run_dir / "producer.out", env)]
         for r in range(replicas):
             group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(replicas),
                      "RANK": str(r)} if replicas > 1 else {}
-            procs.append(spawn(["-m", "consumer", "--job", str(job), "--drafter", "d0", "--replica", str(r),
-                                "--trace", str(run_dir / f"trace{r}.jsonl")],
-                               run_dir / f"consumer{r}.out", {**env, **group}))
+            procs.append(harness.spawn(["-m", "consumer", "--job", job, "--drafter", "d0", "--replica", r,
+                                        "--trace", run_dir / f"trace{r}.jsonl"], run_dir / f"consumer{r}.out",
+                                       {**env, **group}))
         try:
             codes = [p.wait(timeout=600) for p in procs]
         finally:

@@ -69,6 +69,7 @@ from bench.soak_procs import ROOT, JobWatch, Supervisor, build_job
 from common.accounting_check import check_run
 from common.checkpoint_pointer import read_pointer
 from common.config import load_job
+from common.ring import RING_FILE_PREFIX
 from telemetry.aggregate import MAX_SOURCES
 
 KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
@@ -422,7 +423,7 @@ def corrupt_checkpoint(path: Path, rng: random.Random) -> str:
 
 def leaked(run_dir: Path, job_name: str) -> tuple[list[str], list[str]]:
     """Ring files of this job left in /dev/shm, socket files left in the run's sockets/ folder."""
-    shm = sorted(str(p) for p in Path("/dev/shm").glob(f"dflash-ring-{job_name}-*"))
+    shm = sorted(str(p) for p in Path("/dev/shm").glob(f"{RING_FILE_PREFIX}{job_name}-*"))
     socks = sorted(str(p) for p in (run_dir / "sockets").iterdir() if stat.S_ISSOCK(p.lstat().st_mode))
     return shm, socks
 

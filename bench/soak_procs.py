@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import harness
 from common.accounting import ACCOUNTING_DIR
 from common.config import JobConfig
 from common.stats import ingest_endpoint
@@ -26,17 +27,8 @@ from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_to
 ROOT = Path(__file__).resolve().parent.parent
 RESTART_S = 1.0  # systemd's RestartSec (the units use 10 s; shorter here so faults come faster)
 POLL_S = 0.1
-DRAFTER = """
-[[drafters]]
-name = "{name}"
-block_size = {block}
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 10
-log_every = 50
-total_steps = 100000
-"""
+DRAFTER = {"num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64, "checkpoint_every": 10, "log_every": 50,
+           "total_steps": 100000}
 
 
 def build_job(root: Path, seed: int) -> Path:
@@ -46,36 +38,15 @@ def build_job(root: Path, seed: int) -> Path:
     tok = train_tokenizer(corpus_texts(records), 400, assets / "tokenizer")
     build_tiny_target(assets / "target", tok, hidden_size=64, num_layers=6, seed=0)
     write_jsonl(assets / "train.jsonl", records)
-    job = root / "job.toml"
-    job.write_text(f"""
-[job]
-name = "soak-{secrets.token_hex(3)}"
-run_dir = "{root / 'run'}"
-seed = {seed}
-[target]
-path = "{assets / 'target'}"
-dtype = "float32"
-num_features = 3
-[data]
-path = "{assets / 'train.jsonl'}"
-max_length = 256
-tokens_per_batch = 512
-epochs = 400
-[transport]
-slots = 4
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 2.0
-attach_timeout_s = 300
-on_dead_group = "skip"
-[telemetry]
-interval_s = 0.5
-window_s = 1.0
-stale_after_s = 3.0
-wandb_mode = "disabled"
-{DRAFTER.format(name="d0", block=8)}
-{DRAFTER.format(name="d1", block=4)}
-""")
-    return job
+    return harness.write_job(root / "job.toml", {
+        "job": {"name": f"soak-{secrets.token_hex(3)}", "run_dir": str(root / "run"), "seed": seed},
+        "target": {"path": str(assets / "target"), "dtype": "float32", "num_features": 3},
+        "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": 512, "epochs": 400},
+        "transport": {"slots": 4, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "attach_timeout_s": 300,
+                      "on_dead_group": "skip"},
+        "telemetry": {"interval_s": 0.5, "window_s": 1.0, "stale_after_s": 3.0, "wandb_mode": "disabled"},
+        "drafters": [{"name": "d0", "block_size": 8, **DRAFTER}, {"name": "d1", "block_size": 4, **DRAFTER}],
+    })
 
 
 class Proc:

@@ -33,49 +33,29 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import harness
+from common.config import load_job
+from common.ring import ring_path
+
 TOKENS = 2048  # per batch
 FEATURES = 128  # n·H of the simulated target (float32): 1 MiB of features per batch
 
 
 def write_job(run_dir: Path, producers: int, replicas: int) -> Path:
-    job = run_dir / "job.toml"
-    job.write_text(f"""
-[job]
-name = "topo-{run_dir.name}"
-run_dir = "{run_dir}"
-[target]
-path = "{run_dir / 'no-target'}"
-dtype = "float32"
-replicas = {producers}
-[data]
-path = "{run_dir / 'no-data.jsonl'}"
-max_length = {TOKENS // 2}
-tokens_per_batch = {TOKENS}
-[transport]
-slots = 4
-heartbeat_interval_s = 0.5
-heartbeat_timeout_s = 5.0
-attach_timeout_s = 120
-[telemetry]
-interval_s = 0
-wandb_mode = "disabled"
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-checkpoint_every = 1000000
-log_every = 1000000
-replicas = {replicas}
-""")
-    return job
+    return harness.write_job(run_dir / "job.toml", {
+        "job": {"name": f"topo-{run_dir.name}", "run_dir": str(run_dir)},
+        "target": {"path": str(run_dir / "no-target"), "dtype": "float32", "replicas": producers},
+        "data": {"path": str(run_dir / "no-data.jsonl"), "max_length": TOKENS // 2, "tokens_per_batch": TOKENS},
+        "transport": {"slots": 4, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "attach_timeout_s": 120},
+        "telemetry": {"interval_s": 0, "wandb_mode": "disabled"},
+        "drafters": [{"name": "d0", "block_size": 8, "num_layers": 1, "checkpoint_every": 1000000,
+                      "log_every": 1000000, "replicas": replicas}],
+    })
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -118,13 +98,18 @@ class SleepTrainer:
     def state_dict(self) -> dict:
         return {}
 
+    def gather_state(self, keep: bool) -> dict | None:
+        return self.state_dict() if keep else None
+
+    def shape(self) -> dict:
+        return {}
+
 
 def run_producer(job_path: str, replica: int, target_s: float, batches: int) -> int:
     import torch
 
-    from common.config import load_job
     from common.packed_batch import PackedBatch
-    from producer.service import ProducerService
+    from producer.build import build_service
 
     job = load_job(job_path)
     stride = job.target.replicas
@@ -134,66 +119,45 @@ def run_producer(job_path: str, replica: int, target_s: float, batches: int) -> 
             yield PackedBatch(s, 0, [s], torch.zeros(TOKENS, dtype=torch.int64), torch.ones(TOKENS, dtype=torch.uint8),
                               torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32))
 
-    service = ProducerService(job, SleepTarget(target_s), batches_from, batches,
-                              ring_name=f"{job.job.name}-p{replica}", replica=replica)
-    return service.run()
+    return build_service(job, SleepTarget(target_s), batches_from, batches, replica=replica).run()
 
 
 def run_consumer(job_path: str, replica: int, drafter_s: float, out: str) -> int:
     import torch
 
-    from common.config import load_job
+    from consumer.build import build_service
     from consumer.distributed import GroupEnv, ReplicaGroup
-    from consumer.fanin import FanIn
     from consumer.group_cursor import GroupCursor
-    from consumer.service import ConsumerService
-    from consumer.stream import BatchStream
 
     job = load_job(job_path)
     cfg = job.drafters[0]
     env = GroupEnv.resolve(os.environ, replica=replica, replicas=cfg.replicas, node_rank=0, nnodes=1)
     group = ReplicaGroup(env, torch.device("cpu"))
     trainer = SleepTrainer(cfg, drafter_s)
-    producers = job.target.replicas
-    streams = [BatchStream(job, cfg.name, replica, torch.device("cpu"), resume_seq=lambda p=p: service.resume_seq(p),
-                           producer=p) for p in range(producers)]
-    service = ConsumerService(trainer, streams[0] if producers == 1 else FanIn(streams), lambda what: None,
-                              group=group, cursor=GroupCursor.fresh(1, producers), checkpoint_every=cfg.checkpoint_every,
-                              idle_timeout_s=job.transport.heartbeat_interval_s)
-    status = service.run()
+    cursor = GroupCursor.fresh(1, job.target.replicas)
+    status = build_service(job, cfg, env, group, torch.device("cpu"), trainer, cursor).run()
     Path(out).write_text(json.dumps({"times": trainer.times, "slept": trainer.slept, "tokens": trainer.tokens}))
     return status
 
 
 # ---------------------------------------------------------------------------------------------- variants
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=f)
-
-
 def variant(producers: int, replicas: int, target_ms: float, drafter_ms: float, batches: int) -> dict:
     """One run: `producers` producer processes feeding `replicas` consumers of one drafter."""
     run_dir = Path(tempfile.mkdtemp(prefix="topo-", dir="/tmp"))
+    job = write_job(run_dir, producers, replicas)
+    rings = [ring_path("/dev/shm", load_job(job).ring_name(0, p)) for p in range(producers)]
     try:
-        job = write_job(run_dir, producers, replicas)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        me = [sys.executable, "-m", "bench.topology"]
-        procs = [spawn([*me, "--worker", "producer", "--job", str(job), "--replica", str(p), "--seconds",
-                        str(target_ms / 1e3), "--batches", str(batches)], env, run_dir / f"p{p}.log")
+        me = ["-m", "bench.topology"]
+        procs = [harness.spawn([*me, "--worker", "producer", "--job", job, "--replica", p, "--seconds",
+                                target_ms / 1e3, "--batches", batches], run_dir / f"p{p}.log")
                  for p in range(producers)]
-        port = free_port()
+        port = harness.free_port()
         for r in range(replicas):
             group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(replicas),
                      "RANK": str(r), "LOCAL_RANK": str(r)} if replicas > 1 else {}
-            procs.append(spawn([*me, "--worker", "consumer", "--job", str(job), "--replica", str(r), "--seconds",
-                                str(drafter_ms / 1e3), "--out", str(run_dir / f"c{r}.json")], {**env, **group},
-                               run_dir / f"c{r}.log"))
+            procs.append(harness.spawn([*me, "--worker", "consumer", "--job", job, "--replica", r, "--seconds",
+                                        drafter_ms / 1e3, "--out", run_dir / f"c{r}.json"], run_dir / f"c{r}.log",
+                                       group))
         try:
             codes = [p.wait(timeout=600) for p in procs]
         finally:
@@ -205,8 +169,8 @@ def variant(producers: int, replicas: int, target_ms: float, drafter_ms: float, 
         results = [json.loads((run_dir / f"c{r}.json").read_text()) for r in range(replicas)]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-        for p in range(producers):
-            Path(f"/dev/shm/dflash-ring-topo-{run_dir.name}-p{p}").unlink(missing_ok=True)
+        for ring in rings:
+            ring.unlink(missing_ok=True)
     times = sorted(t for r in results for t in r["times"])
     n = len(times)
     assert n == batches, f"{n} batches trained, {batches} planned"

@@ -28,7 +28,7 @@ HEADER_BYTES = 4096  # one page before slot 0: keeps slot 0 page aligned
 _HEADER = struct.Struct("<8sIIQQQ16s")  # magic, version, num_slots, slot_bytes, total_bytes, pid, canary
 _MAGIC = b"DFRING01"
 _VERSION = 1
-_FILE_PREFIX = "dflash-ring-"
+RING_FILE_PREFIX = "dflash-ring-"  # /dev/shm/{prefix}{ring name}: the one place it is spelt
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (*_DTYPE_NAMES, "bool")}
 _MAX_DIMS = 8
@@ -127,7 +127,7 @@ def ring_path(shm_dir: str | os.PathLike, name: str) -> Path:
     """The CPU ring's file: derived from the job's name so a restarted producer finds a stale one."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", name):
         raise RingError(f"ring name {name!r} must be 1-100 characters of [A-Za-z0-9_.-]")
-    return Path(shm_dir) / f"{_FILE_PREFIX}{name}"
+    return Path(shm_dir) / f"{RING_FILE_PREFIX}{name}"
 
 
 class SlotRing:

@@ -52,7 +52,7 @@ import resource
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import psutil
@@ -204,6 +204,12 @@ def _expect_number(value: Any, where: str) -> None:
         raise StatsDecodeError(f"{where} must be a number, got {type(value).__name__}")
 
 
+class StatsSink(Protocol):
+    """What a service loop publishes through: a `StatsPublisher`, or a test's recorder."""
+
+    def maybe_publish(self, step: int | None = None, extra_gauges: dict[str, float] | None = None) -> bool: ...
+
+
 class StatsPublisher:
     """Sends `prof` snapshots to telemetry at most every `interval_s`; one cheap clock check otherwise."""
 
@@ -345,3 +351,13 @@ class StatsPublisher:
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def open_stats(run_paths: RunPaths, role: str, name: str, interval_s: float,
+               ) -> tuple[ProfileStats | None, StatsPublisher | None]:
+    """A process's profile and its publisher to the job's telemetry (both None when `interval_s` is 0),
+    opened at start so that loading shows as a phase, not as a silent process."""
+    if interval_s <= 0:
+        return None, None
+    prof = ProfileStats()
+    return prof, StatsPublisher(ingest_endpoint(run_paths), role, name, interval_s, prof)

@@ -16,17 +16,17 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
 from common.startup import StartupBeat
+from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
 from consumer.best_checkpoint import BestCheckpoint
 from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
-from consumer.export.layout import drafter_shape
 from consumer.group_cursor import GroupCursor
+from consumer.resume_points import ResumePoints
 from consumer.stream import (
     BatchStream,
     ConsumerRejected,
@@ -57,13 +57,13 @@ class StopSignal:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._stop)
 
+    def requested(self) -> bool:
+        """Polled by the streams while they wait for the producer."""
+        return self.reason is not None
+
     def _stop(self, signum, _frame) -> None:
         if self.reason is None:  # the first signal says why (launch.sh's SIGTERM follows a SIGHUP to the group)
             self.reason = stop_reason(signum)
-
-
-class StatsSink(Protocol):
-    def maybe_publish(self, step: int | None = None, extra_gauges: dict | None = None) -> bool: ...
 
 
 class ConsumerService:
@@ -74,7 +74,7 @@ class ConsumerService:
         save_checkpoint: Callable[[dict], None],
         *,
         group: ReplicaGroup,
-        cursor: GroupCursor,
+        resume: ResumePoints,
         checkpoint_every: int,
         idle_timeout_s: float,
         prof: ProfileStats | None = None,
@@ -90,13 +90,14 @@ class ConsumerService:
         """`evaluator`: runs the validation batches (consumer/validation.py; None: they are ignored, counted);
         `best`: the best-checkpoint record a whole pass may update (consumer/best_checkpoint.py).
         `save_checkpoint(state)` writes a checkpoint_state dict atomically; the caller binds where.
-        `cursor` is where the group resumes (from its checkpoint, or fresh), one per producer of each node:
-        `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p."""
+        `resume` holds where the group resumes (its cursor, from its checkpoint or fresh, one per producer of each
+        node: `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p);
+        the stream asks it for the seq of each HELLO, this loop advances it."""
         self.trainer = trainer
         self.stream = stream
         self.save_checkpoint = save_checkpoint
         self.group = group
-        self.cursor = cursor
+        self.resume = resume
         self.checkpoint_every = checkpoint_every
         self.idle_timeout_s = idle_timeout_s
         self.prof = prof
@@ -104,7 +105,7 @@ class ConsumerService:
         self.name = name
         self.trace = trace
         self.ledger = ledger  # the job log of steps and checkpoints (common/accounting.py)
-        self.node = group.env.node_rank
+        self.node = resume.node
         self._stop = stop
         self._saved_step = trainer.step
         self._connected = False
@@ -118,25 +119,24 @@ class ConsumerService:
         self._step_samples: list[int] = []
         self._group_tokens = 0  # the group's tokens in the step being accumulated
         self._trained: list[int] = []  # seqs of completed steps since the last checkpoint
-        self._skip = cursor.above(self.node)  # trained before the checkpoint we resumed from
-        self.producers = cursor.producers
-        self._highest_seen: dict[int, int] = {}  # per producer: the highest seq trained since the start
+        self._skip = resume.cursor.above(self.node)  # trained before the checkpoint we resumed from
+        self.producers = resume.cursor.producers
         self.beat = beat
         self._startup: contextlib.ExitStack | None = None  # the "first batch" phase, until the first step
         self.evaluator = evaluator
         self.best = best
 
+    @property
+    def cursor(self) -> GroupCursor:
+        return self.resume.cursor
+
     def resume_seq(self, producer: int = 0) -> int:
-        """The seq this replica asks `producer` for in HELLO: the group's cursor for that producer, past what
-        this replica trained from it since (a producer resumes at its first seq from there)."""
-        return max(self.cursor.cursors[self.node][producer], self._highest_seen.get(producer, -1) + 1)
+        """The seq this replica asks `producer` for in HELLO (consumer/resume_points.py)."""
+        return self.resume.seq(producer)
 
     @property
     def _stop_reason(self) -> str | None:
         return self._stop.reason if self._stop else None
-
-    def stopping(self) -> bool:
-        return self._stop_reason is not None
 
     def run(self) -> int:
         if self._stop is None:
@@ -217,8 +217,7 @@ class ConsumerService:
             self.trainer.accumulate(item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.seq)
             self._round = item
             self._round_tokens = item.input_ids.numel()
-            p = item.seq % self.producers
-            self._highest_seen[p] = max(self._highest_seen.get(p, -1), item.seq)
+            self.resume.saw(item.seq)
 
     def _flags(self) -> RoundFlags:
         starved = self._round is None and time.monotonic() - self._waiting_since >= self.idle_timeout_s
@@ -329,7 +328,7 @@ class ConsumerService:
         start = time.perf_counter()
         trained = self.group.gather_trained(self._trained)
         trainer_state = self.trainer.gather_state(keep=self.group.is_writer)  # collective under FSDP
-        self.cursor = self.cursor.advance(trained)
+        self.resume.cursor = self.cursor.advance(trained)
         self._trained = []
         self._saved_step = self.trainer.step
         if self.group.is_writer:
@@ -338,7 +337,7 @@ class ConsumerService:
                 cursor = self.cursor.to_state()
                 entry = self.ledger.checkpoint(self.trainer.step, trained, cursor["cursors"], cursor["trained_above"],
                                                producers=self.cursor.producers)
-            self.save_checkpoint(checkpoint_state(trainer_state, shape=drafter_shape(self.trainer), cursor=self.cursor,
+            self.save_checkpoint(checkpoint_state(trainer_state, shape=self.trainer.shape(), cursor=self.cursor,
                                                   world_size=self.group.world_size, ledger=entry))
             log.info("%s: checkpoint at step %d (resume at seqs %s per node and producer, %s) in %.2f s", self.name,
                      self.trainer.step, [list(c) for c in self.cursor.cursors], reason, time.perf_counter() - start)

@@ -29,6 +29,7 @@ from common.config import DataConfig, DrafterConfig
 from common.host_memory import keep_freed_memory
 from common.profile import timed
 from consumer.checkpoint_state import cpu_copy
+from consumer.export.layout import drafter_shape
 from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
@@ -360,6 +361,10 @@ class Trainer:
             raise RuntimeError(f"drafter {self.cfg.name}: sharded (FSDP): the full state is gathered with every"
                                " replica, by gather_state()")
         return self._state(self.model.state_dict(), self.optimizer.state_dict())
+
+    def shape(self) -> dict:
+        """The shape keys a checkpoint of this trainer records (consumer/export/layout.py drafter_shape)."""
+        return drafter_shape(self)
 
     def gather_state(self, keep: bool) -> dict | None:
         """state_dict() for the process that keeps it (`keep`: the checkpoint writer), None for the others.

@@ -28,6 +28,7 @@ from common.accounting_check import read_records
 from common.accounting_validation import held_out_curve
 from common.checkpoint_pointer import BEST, read_pointer
 from common.config import load_job
+from common.job_file import job_text
 from demo.corpus import generate_corpus, split_corpus
 from demo.pretrain import TargetShape, greedy_accuracy, pretrain_target
 from demo.tiny import train_tokenizer, write_jsonl
@@ -193,60 +194,26 @@ def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int) -> int:
     return sum(len(plan.epoch_batches(e)) for e in range(size.epochs))
 
 
-def job_toml(run_dir: Path, size: DemoSize, report: dict, seed: int = 0) -> str:
+def job_doc(run_dir: Path, size: DemoSize, report: dict, seed: int = 0) -> dict:
     """The demo job: both drafters see every batch; the lr schedule spans exactly the planned batches."""
     assets = run_dir / "assets"
     batches = report["train_batches"]
-    drafters = ""
-    for name, block in (("d_b8", 8), ("d_b16", 16)):
-        drafters += f"""
-[[drafters]]
-name = "{name}"
-block_size = {block}
-num_layers = {size.drafter_layers}
-anchors_per_seq = {size.anchors_per_seq}
-dtype = "float32"
-lr = {size.drafter_lr}
-warmup_frac = 0.04
-min_lr_ratio = 0.1
-total_steps = {batches}
-checkpoint_every = {max(1, batches // 4)}
-log_every = 10
-"""
-    return f"""# The embedded demo job, written by `python -m demo prepare` (CPU, float32).
-[job]
-name = "demo"
-run_dir = "{run_dir}"
-seed = {seed}
-
-[target]
-path = "{assets / "target"}"
-dtype = "float32"
-device = "cpu"
-attn_implementation = "sdpa"
-num_features = {len(size.layer_ids)}
-layer_ids = {list(size.layer_ids)}
-
-[data]
-path = "{assets / "train.jsonl"}"
-format = "chat"
-max_length = {size.max_length}
-tokens_per_batch = {size.tokens_per_batch}
-epochs = {size.epochs}
-length_group_window = {LENGTH_GROUP_WINDOW}
-validation = {VALIDATION}
-eval_every = {EVAL_EVERY}
-validation_max_records = {VALIDATION_MAX_RECORDS}
-
-[transport]
-kind = "cpu"
-slots = 4
-{drafters}
-[telemetry]
-interval_s = 2.0
-wandb_mode = "offline"
-wandb_project = "dflash-demo"
-"""
+    drafters = [{"name": name, "block_size": block, "num_layers": size.drafter_layers,
+                 "anchors_per_seq": size.anchors_per_seq, "dtype": "float32", "lr": size.drafter_lr,
+                 "warmup_frac": 0.04, "min_lr_ratio": 0.1, "total_steps": batches,
+                 "checkpoint_every": max(1, batches // 4), "log_every": 10}
+                for name, block in (("d_b8", 8), ("d_b16", 16))]
+    return {
+        "job": {"name": "demo", "run_dir": str(run_dir), "seed": seed},
+        "target": {"path": str(assets / "target"), "dtype": "float32", "device": "cpu", "attn_implementation": "sdpa",
+                   "num_features": len(size.layer_ids), "layer_ids": list(size.layer_ids)},
+        "data": {"path": str(assets / "train.jsonl"), "format": "chat", "max_length": size.max_length,
+                 "tokens_per_batch": size.tokens_per_batch, "epochs": size.epochs,
+                 "length_group_window": LENGTH_GROUP_WINDOW},
+        "transport": {"kind": "cpu", "slots": 4},
+        "drafters": drafters,
+        "telemetry": {"interval_s": 2.0, "wandb_mode": "offline", "wandb_project": "dflash-demo"},
+    }
 
 
 def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: int = BUILD_THREADS) -> Path:
@@ -279,7 +246,8 @@ def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: in
             tmp.write_text(json.dumps(report, indent=2) + "\n")
             tmp.replace(ready)
     job_path = run_dir / "demo.toml"
-    text = job_toml(run_dir, size, report, seed)
+    text = job_text(job_doc(run_dir, size, report, seed), source=str(job_path),
+                    header="The embedded demo job, written by `python -m demo prepare` (CPU, float32).")
     if not job_path.is_file() or job_path.read_text() != text:
         job_path.write_text(text)
     load_job(job_path)  # a demo that cannot start fails here, naming the key

@@ -145,7 +145,7 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from producer.__main__ import build_dataset  # the producer's own indexing and plan
+    from producer.build import build_dataset  # the producer's own indexing and plan
 
     ap = argparse.ArgumentParser(prog="python -m producer data-stats", description=__doc__.splitlines()[0])
     ap.add_argument("job", help="the job file (TOML)")

@@ -13,7 +13,6 @@ import signal
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 from common.accounting import DeliveryLedger
 from common.channel import PeerLost, ProducerChannel, Received
@@ -25,6 +24,7 @@ from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Wel
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.startup import StartupBeat
+from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
 from producer.delivery import Delivery
 from producer.slot_table import SlotTable
@@ -35,10 +35,6 @@ from producer.validation import HeldOut
 log = logging.getLogger("producer")
 
 POLL_S = 0.05
-
-
-class StatsSink(Protocol):
-    def maybe_publish(self, step: int | None = None, extra_gauges: dict | None = None) -> None: ...
 
 
 @dataclass

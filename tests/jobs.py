@@ -10,13 +10,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
+from bench.harness import ROOT
 from common.config import load_job
 from common.ring import ring_path
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 _ASSETS: dict[str, Path] = {}
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def launch(job: Path, *args: str, plan: Path | None = None) -> subprocess.Popen:
@@ -37,13 +37,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"launch.sh did not return within {timeout} s:\n{proc.communicate()[0]}") from None
-
-
-def spawn(args: list, log: Path, **env: str) -> subprocess.Popen:
-    """`python ARGS` as a job's process (one OpenMP thread), its output appended to `log`."""
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=full, stdout=open(log, "a"),
-                            stderr=subprocess.STDOUT)
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
@@ -87,35 +80,20 @@ def remove_ring(job: Path, node: int = 0) -> None:
     ring_file(job, node).unlink(missing_ok=True)
 
 
-def write_job(assets: Path, *, drafters: str = '[[drafters]]\nname = "d0"\n', extra: str = "",
+def write_job(assets: Path, *, drafters: list[dict] | None = None, overrides: dict | None = None,
               tokens_per_batch: int = 512, epochs: int = 1, name: str = "tiny") -> Path:
-    """A job file in a fresh short run dir under /tmp (ipc paths must stay under 107 characters)."""
+    """A job file in a fresh short run dir under /tmp (ipc paths must stay under 107 characters), written from
+    the validated config (bench/harness.py); `overrides` adds or replaces keys table by table."""
     run_dir = Path(tempfile.mkdtemp(prefix="dfj-", dir="/tmp"))
-    job = run_dir / "job.toml"
-    job.write_text(f"""
-[job]
-name = "{name}-{run_dir.name[4:]}"
-run_dir = "{run_dir}"
-seed = 7
-[target]
-path = "{assets / 'target'}"
-dtype = "float32"
-num_features = 3
-[data]
-path = "{assets / 'train.jsonl'}"
-max_length = 256
-tokens_per_batch = {tokens_per_batch}
-epochs = {epochs}
-[transport]
-slots = 4
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 2.0
-attach_timeout_s = 120
-[telemetry]
-interval_s = 0.5
-window_s = 1.0
-wandb_mode = "offline"
-{extra}
-{drafters}
-""")
-    return job
+    doc = {
+        "job": {"name": f"{name}-{run_dir.name[4:]}", "run_dir": str(run_dir), "seed": 7},
+        "target": {"path": str(assets / "target"), "dtype": "float32", "num_features": 3},
+        "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": tokens_per_batch,
+                 "epochs": epochs},
+        "transport": {"slots": 4, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "attach_timeout_s": 120},
+        "telemetry": {"interval_s": 0.5, "window_s": 1.0, "wandb_mode": "offline"},
+    }
+    for table, keys in (overrides or {}).items():
+        doc[table] = {**doc.get(table, {}), **keys}
+    doc["drafters"] = drafters or [{"name": "d0"}]
+    return harness.write_job(run_dir / "job.toml", doc)

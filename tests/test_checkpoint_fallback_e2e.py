@@ -9,22 +9,16 @@ import time
 
 import pytest
 
+from bench.harness import spawn
 from common.accounting_check import check_run
 from consumer.checkpoint import STATE_FILE, load_latest
-from tests.jobs import spawn, tiny_assets, wait_all, write_job
+from tests.jobs import tiny_assets, wait_all, write_job
 
 pytestmark = pytest.mark.slow
-DRAFTER = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 10
-log_every = 5
-total_steps = 200
-"""
+DRAFTER = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 10, "log_every": 5, "total_steps": 200},
+]
 
 
 def test_a_truncated_latest_checkpoint_resumes_from_the_previous_and_stays_exactly_once(tmp_path_factory, tmp_path):

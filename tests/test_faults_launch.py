@@ -12,24 +12,12 @@ import pytest
 
 from tests.jobs import ROOT, finish, launch, ring_file, tiny_assets, wait_for, write_job
 
-DRAFTERS = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 4
-log_every = 1
-[[drafters]]
-name = "d1"
-block_size = 4
-num_layers = 1
-anchors_per_seq = 8
-loss_chunk_rows = 64
-checkpoint_every = 3
-log_every = 1
-"""
+DRAFTERS = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 4, "log_every": 1},
+    {"name": "d1", "block_size": 4, "num_layers": 1, "anchors_per_seq": 8, "loss_chunk_rows": 64,
+     "checkpoint_every": 3, "log_every": 1},
+]
 pytestmark = pytest.mark.slow
 
 

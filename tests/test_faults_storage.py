@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
 
+from bench.harness import write_job
 from bench.soak_faults import fill, unfill
 from common.ring import RingError, SlotRing
 from common.storage import StorageError, check_room, check_writable
@@ -59,8 +60,8 @@ def test_producer_refuses_a_read_only_run_folder_before_loading_anything(tmpfs, 
 
     ro = tmpfs(1024, read_only=True)
     job = tmp_path / "job.toml"
-    job.write_text(f'[job]\nrun_dir = "{ro}/run"\n[target]\npath = "nowhere"\n[data]\npath = "nowhere"\n'
-                   '[[drafters]]\nname = "d0"\n')
+    write_job(job, {"job": {"run_dir": f"{ro}/run"}, "target": {"path": "nowhere"}, "data": {"path": "nowhere"},
+                    "drafters": [{"name": "d0"}]})
     assert main(["--job", str(job)]) == 2
     assert "is not writable: the file system is mounted read-only" in caplog.text
 

@@ -14,6 +14,7 @@ from common.accounting_check import check_run
 from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupError
 from consumer.group_cursor import GroupCursor
+from consumer.resume_points import ResumePoints
 from consumer.service import ConsumerService
 
 
@@ -72,11 +73,11 @@ def test_malformed_or_foreign_cursors_are_refused_naming_the_checkpoint():
 def test_each_hello_carries_its_producers_cursor_and_replays_above_it_are_skipped():
     cursor = GroupCursor(2, ((6, 5), (8, 3)), (((8, 10), (7,)), ((), ())))
     service = ConsumerService(SimpleNamespace(step=4), stream=None, save_checkpoint=lambda what: None,
-                              group=SimpleNamespace(env=SimpleNamespace(node_rank=0)), cursor=cursor,
+                              group=SimpleNamespace(env=SimpleNamespace(node_rank=0)), resume=ResumePoints(cursor, 0),
                               checkpoint_every=10, idle_timeout_s=1.0)
     assert (service.resume_seq(0), service.resume_seq(1)) == (6, 5)
     assert service._skip == {7, 8, 10} and service.producers == 2
-    service._highest_seen[1] = 9  # trained 9 from producer 1 since: a re-attachment asks past it
+    service.resume.highest_seen[1] = 9  # trained 9 from producer 1 since: a re-attachment asks past it
     assert (service.resume_seq(0), service.resume_seq(1)) == (6, 10)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from common.config import ConfigError, load_job
 from consumer.target_parts import load_target_parts
-from producer.__main__ import build_dataset, checked_fingerprint
+from producer.build import build_dataset, checked_fingerprint
 from tests.jobs import tiny_assets, write_job
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

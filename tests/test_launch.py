@@ -13,23 +13,12 @@ from consumer.checkpoint import load_latest
 from telemetry.wandb_reader import find_run_file, read_history
 from tests.jobs import ROOT, launch, remove_ring, tiny_assets, wait_for, write_job
 
-LONG_JOB = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 1000
-log_every = 5
-[[drafters]]
-name = "d1"
-block_size = 4
-num_layers = 1
-anchors_per_seq = 8
-loss_chunk_rows = 64
-checkpoint_every = 1000
-"""
+LONG_JOB = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 1000, "log_every": 5},
+    {"name": "d1", "block_size": 4, "num_layers": 1, "anchors_per_seq": 8, "loss_chunk_rows": 64,
+     "checkpoint_every": 1000},
+]
 pytestmark = pytest.mark.slow
 
 

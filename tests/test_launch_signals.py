@@ -23,16 +23,10 @@ from common.joblock import job_lock_path
 from tests.jobs import finish, launch, ring_file, tiny_assets, wait_for, write_job
 from tests.test_faults_launch import accounting_check, log_text, sockets_left, steps
 
-DRAFTERS = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 50
-log_every = 1
-"""
+DRAFTERS = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 50, "log_every": 1},
+]
 STOP_BOUND_S = 60.0  # every orphan of a dead launch.sh must be gone within this
 pytestmark = pytest.mark.slow
 

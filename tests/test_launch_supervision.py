@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import write_job
 from common.joblock import JobLocked, enter
 from tests.jobs import ROOT, finish, launch, ring_file
 
@@ -20,8 +21,8 @@ def job(tmp_path):
     """A job file whose processes the tests replace by stand-ins (only its name and run folder matter)."""
     run_dir = Path(tempfile.mkdtemp(prefix="dfl-", dir="/tmp"))
     path = tmp_path / "job.toml"
-    path.write_text(f'[job]\nname = "standin-{run_dir.name[4:]}"\nrun_dir = "{run_dir}"\n[target]\npath = "unused"\n'
-                    '[data]\npath = "unused"\n[[drafters]]\nname = "d0"\n')
+    write_job(path, {"job": {"name": f"standin-{run_dir.name[4:]}", "run_dir": str(run_dir)},
+                     "target": {"path": "unused"}, "data": {"path": "unused"}, "drafters": [{"name": "d0"}]})
     yield path
     subprocess.run(["rm", "-rf", str(run_dir)], check=False)
 

@@ -66,3 +66,56 @@ def test_every_module_launch_sh_and_the_makefile_run_exists():
         assert modules, f"no `-m module` found in {script}"
         missing = sorted(m for m in modules if importlib.util.find_spec(m) is None)
         assert not missing, f"{script} runs modules that do not exist: {missing}"
+
+
+# ------------------------------------------------------------------------------------ builders (issue 23)
+BUILDERS = {"ProducerService": "producer/build.py", "ConsumerService": "consumer/build.py"}
+# tests of the service classes themselves (a ring refused, a second producer of one job, the resume seqs)
+SERVICE_CLASS_TESTS = {"tests/test_faults_producer.py", "tests/test_producer_startup.py", "tests/test_group_cursor.py",
+                       "tests/test_validation.py"}  # the best-checkpoint hook of the loop itself
+
+
+def wiring_problems(path: Path) -> list[str]:
+    """How `path` reaches around the builders: a service constructed by hand, or anything but `main` taken
+    from an entry script (`producer.__main__`, `consumer.__main__`)."""
+    text = path.read_text()
+    if "Service(" not in text and "__main__" not in text:
+        return []  # neither can occur: spare the parse
+    tree = ast.parse(text, filename=str(path))
+    found, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith(".__main__"):
+            found += [f"imports {node.module}.{a.name}" for a in node.names if a.name != "main"]
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name.endswith(".__main__")}
+        elif isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in BUILDERS:
+                found.append(f"constructs {name} (build it with {BUILDERS[name]})")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in aliases and node.attr != "main":
+            found.append(f"uses {ast.unparse(node.value)}.{node.attr}")
+    return found
+
+
+def test_bench_tests_and_entry_scripts_build_services_through_the_builders():
+    """Production, bench and tests assemble a producer or consumer through producer/build.py and
+    consumer/build.py alone, so a change there reaches all three; the tests of the service classes
+    themselves (SERVICE_CLASS_TESTS) may construct them."""
+    wrong = {}
+    for package in ("producer", "consumer", "bench", "tests", "demo"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in BUILDERS.values() or rel in SERVICE_CLASS_TESTS or rel == "tests/test_layering.py":
+                continue
+            if problems := wiring_problems(path):
+                wrong[rel] = problems
+    assert not wrong, f"assembled by hand, not through the builders: {wrong}"
+
+
+def test_the_wiring_checker_sees_private_wiring_and_hand_built_services(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import consumer.__main__ as cm\nfrom producer.__main__ import main, _load\n"
+                   "def f(job):\n    cm.main([])\n    cm._serve(job)\n    return ProducerService(job)\n")
+    assert sorted(wiring_problems(src)) == ["constructs ProducerService (build it with producer/build.py)",
+                                            "imports producer.__main__._load", "uses cm._serve"]

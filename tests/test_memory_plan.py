@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
+from bench.harness import write_job
 from common.config import DrafterConfig, load_job
 from common.memory_plan import CUDA_CONTEXT_BYTES, GIB, ProcessMemory, device_totals, render
 from common.packed_batch import required_slot_bytes
@@ -153,30 +154,13 @@ def test_the_report_sums_per_device_and_warns_over_the_device_size():
 
 
 def _job_file(tmp_path: Path, target: Path) -> Path:
-    job = tmp_path / "job.toml"
-    job.write_text(f"""
-[job]
-name = "mp"
-run_dir = "{tmp_path / 'run'}"
-[target]
-path = "{target}"
-device = "cuda:0"
-layer_ids = {LAYER_IDS}
-num_features = {len(LAYER_IDS)}
-[data]
-path = "{tmp_path / 'chats.jsonl'}"
-max_length = 256
-tokens_per_batch = 512
-[transport]
-kind = "cuda"
-slots = 3
-[[drafters]]
-name = "d"
-block_size = 8
-num_layers = 1
-devices = ["cuda:1"]
-""")
-    return job
+    return write_job(tmp_path / "job.toml", {
+        "job": {"name": "mp", "run_dir": str(tmp_path / "run")},
+        "target": {"path": str(target), "device": "cuda:0", "layer_ids": LAYER_IDS, "num_features": len(LAYER_IDS)},
+        "data": {"path": str(tmp_path / "chats.jsonl"), "max_length": 256, "tokens_per_batch": 512},
+        "transport": {"kind": "cuda", "slots": 3},
+        "drafters": [{"name": "d", "block_size": 8, "num_layers": 1, "devices": ["cuda:1"]}],
+    })
 
 
 def test_plans_of_a_job_name_each_process_on_each_device_with_its_parts(tmp_path, target_dir):

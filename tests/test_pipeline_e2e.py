@@ -9,21 +9,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.harness import spawn
 from common.config import dflash_layer_ids
 from consumer.checkpoint import load_latest
-from tests.jobs import spawn, tiny_assets, wait_all, write_job
+from tests.jobs import tiny_assets, wait_all, write_job
 
-DRAFTER = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 20
-log_every = 5
-total_steps = 200
-"""
+DRAFTER = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 20, "log_every": 5, "total_steps": 200},
+]
 
 
 @pytest.fixture(scope="module")

@@ -26,16 +26,10 @@ from demo.tiny import synthetic_chats
 from tests.jobs import ROOT, finish, launch, tiny_assets, write_job
 
 pytestmark = pytest.mark.slow
-DRAFTER = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 8
-loss_chunk_rows = 64
-checkpoint_every = 2
-log_every = 1
-"""
+DRAFTER = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 8, "loss_chunk_rows": 64,
+     "checkpoint_every": 2, "log_every": 1},
+]
 
 
 def job_file(template: str, run: Path, *, epochs: int, lineage: str | None = None, block_size: int = 8) -> Path:

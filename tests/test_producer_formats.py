@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from bench.harness import write_job
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 from producer.data import ChatDataset, ChatEncoder, DataError, iter_messages
 from producer.data_stats import planned_steps
@@ -132,12 +133,10 @@ def test_data_stats_command(tok, chats, tmp_path):
     with data.open("a") as f:
         f.write("{broken\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     job = tmp_path / "job.toml"
-    job.write_text(
-        f'[job]\nrun_dir = "{tmp_path}/run"\nseed = 3\n[target]\npath = "{model_dir}"\n'
-        f'[data]\npath = "{data}"\nmax_length = 96\ntokens_per_batch = 256\nepochs = 2\nlength_group_window = 2\n'
-        '[[drafters]]\nname = "a"\ntotal_steps = 10000\n'
-        '[[drafters]]\nname = "b"\ntokens_per_step = 512\ntotal_steps = 5\n'
-    )
+    write_job(job, {
+        "job": {"run_dir": f"{tmp_path}/run", "seed": 3}, "target": {"path": str(model_dir)},
+        "data": {"path": str(data), "max_length": 96, "tokens_per_batch": 256, "epochs": 2, "length_group_window": 2},
+        "drafters": [{"name": "a", "total_steps": 10000}, {"name": "b", "tokens_per_step": 512, "total_steps": 5}]})
     cmd = [sys.executable, "-m", "producer", "data-stats", str(job)]
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert text.returncode == 0, text.stderr

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import producer.__main__ as producer_main
+import producer.build as producer_build
+from bench import harness
 from common.config import parse_job
 from common.packed_batch import required_slot_bytes
 from common.ring import RingError, SlotRing
@@ -27,26 +29,12 @@ def write_job(tmp_path: Path) -> Path:
     (target / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "hidden_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 128, "head_dim": 12}))
-    job = tmp_path / "job.toml"
-    job.write_text(f"""
-[job]
-name = "startup-{secrets.token_hex(4)}"
-run_dir = "{tmp_path / 'run'}"
-[target]
-path = "{target}"
-layer_ids = [1, 3]
-replicas = 2
-devices = ["cuda:0", "cuda:1"]
-[data]
-path = "{tmp_path / 'data.jsonl'}"
-max_length = 64
-tokens_per_batch = 64
-[telemetry]
-interval_s = 0
-[[drafters]]
-name = "d0"
-""")
-    return job
+    return harness.write_job(tmp_path / "job.toml", {
+        "job": {"name": f"startup-{secrets.token_hex(4)}", "run_dir": str(tmp_path / "run")},
+        "target": {"path": str(target), "layer_ids": [1, 3], "replicas": 2, "devices": ["cuda:0", "cuda:1"]},
+        "data": {"path": str(tmp_path / "data.jsonl"), "max_length": 64, "tokens_per_batch": 64},
+        "telemetry": {"interval_s": 0}, "drafters": [{"name": "d0"}],
+    })
 
 
 def test_a_replica_makes_its_gpu_current_then_the_ring_then_loads_the_target(tmp_path, monkeypatch):
@@ -62,8 +50,8 @@ def test_a_replica_makes_its_gpu_current_then_the_ring_then_loads_the_target(tmp
         raise TargetLoadError(f"{path}: stand-in, nothing to load")
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(producer_main, "create_ring", create_ring)
-    monkeypatch.setattr(producer_main, "load_target", load_target)
+    monkeypatch.setattr(producer_build, "create_ring", create_ring)
+    monkeypatch.setattr(producer_build, "load_target", load_target)
     assert producer_main.main(["--job", str(write_job(tmp_path)), "--replica", "1"]) == 2
     # replica 1's GPU is cuda:1: current first; the ring sized from config.json (2 layers x 48, bf16) before the load
     assert calls == [("set_device", "cuda:1"), ("ring", "cuda:1", 96, "bfloat16"), ("load_target", "cuda:1")]
@@ -116,7 +104,7 @@ def test_the_next_batch_is_read_and_packed_while_the_current_forward_runs():
     n = 4
     data = GatedSamples(n)
     seen = []
-    for batch in producer_main.batch_stream(data, OneSamplePerBatch(n), depth=1)(0):
+    for batch in producer_build.batch_stream(data, OneSamplePerBatch(n), depth=1)(0):
         data.forward_began[batch.seq].set()  # the target forward of this batch runs from here...
         if batch.seq + 1 < n:
             assert data.was_read[batch.seq + 1].wait(30), f"batch {batch.seq + 1} was not read during forward {batch.seq}"

@@ -10,9 +10,10 @@ import json
 
 import pytest
 
+from bench.harness import write_job
 from common.config import load_job
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
-from producer.__main__ import build_dataset
+from producer.build import build_dataset
 from producer.data import ChatEncoder
 
 QWEN3_STYLE = (
@@ -117,13 +118,12 @@ def test_answer_tokens_follow_the_generation_prompt(tok):
 def test_job_chat_template_kwargs_reach_the_producer(tok, tmp_path):
     model_dir = build_tiny_target(tmp_path / "model", tok, num_layers=2, hidden_size=32, intermediate_size=64)
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [U1, {"role": "assistant", "content": "Four."}]}])
-    for kwargs_toml, expected in (("", "<think>\n\n</think>\n\nFour.<|im_end|>"),
-                                  ("chat_template_kwargs = {enable_thinking = false}", "Four.<|im_end|>")):
-        job_file = tmp_path / "job.toml"
-        job_file.write_text(
-            f'[target]\npath = "{model_dir}"\n[data]\npath = "{data}"\nmax_length = 64\ntokens_per_batch = 64\n'
-            f'{kwargs_toml}\n[[drafters]]\nname = "d"\n'
-        )
+    for kwargs, expected in (({}, "<think>\n\n</think>\n\nFour.<|im_end|>"),
+                             ({"chat_template_kwargs": {"enable_thinking": False}}, "Four.<|im_end|>")):
+        job_file = write_job(tmp_path / "job.toml", {
+            "target": {"path": str(model_dir)},
+            "data": {"path": str(data), "max_length": 64, "tokens_per_batch": 64, **kwargs},
+            "drafters": [{"name": "d"}]})
         dataset, _ = build_dataset(load_job(job_file), 0, 1)
         ids, mask = dataset.reader().read(0)
         assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == expected

@@ -9,45 +9,29 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.harness import free_port, spawn
 from consumer.checkpoint import load_latest
-from tests.jobs import spawn, tiny_assets, wait_all, write_job
+from tests.jobs import tiny_assets, wait_all, write_job
 
 SAMPLES = 240  # tiny_assets' chats
 pytestmark = pytest.mark.slow
 
 
-def drafter(replicas: int, checkpoint_every: int = 10, distributed: str = "ddp") -> str:
-    return f"""
-[[drafters]]
-name = "d0"
-distributed = "{distributed}"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = {checkpoint_every}
-log_every = 5
-total_steps = 400
-replicas = {replicas}
-"""
+def drafter(replicas: int, checkpoint_every: int = 10, distributed: str = "ddp") -> list[dict]:
+    return [{"name": "d0", "distributed": distributed, "block_size": 8, "num_layers": 1, "anchors_per_seq": 16,
+             "loss_chunk_rows": 64, "checkpoint_every": checkpoint_every, "log_every": 5, "total_steps": 400,
+             "replicas": replicas}]
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def producer(job: Path, log: Path, node: int = 0, nnodes: int = 1) -> subprocess.Popen:
@@ -58,8 +42,8 @@ def consumer(job: Path, log: Path, trace: Path, port: int, *, replica: int, repl
              nnodes: int = 1) -> subprocess.Popen:
     return spawn(["-m", "consumer", "--job", job, "--drafter", "d0", "--replica", replica, "--node-rank", node,
                   "--nnodes", nnodes, "--trace", trace, "--dist-timeout", "60"], log,
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(replicas * nnodes),
-                 RANK=str(node * replicas + replica), LOCAL_RANK=str(replica))
+                 {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(replicas * nnodes),
+                  "RANK": str(node * replicas + replica), "LOCAL_RANK": str(replica)})
 
 
 def tail(*logs: Path) -> str:

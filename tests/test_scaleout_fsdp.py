@@ -6,7 +6,6 @@ is bit-exact, and the checkpoint is the unsharded format."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +14,12 @@ import pytest
 import torch
 from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
 
+from bench.harness import free_port
 from consumer.checkpoint import load_latest
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ and two real gloo processes whose summed step equals one trainer's step over bot
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
 
+from bench.harness import free_port
 from common.config import parse_job
 from common.launch_plan import plan
 from consumer.distributed import GroupEnv, GroupError, RoundFlags, _buckets
@@ -99,12 +99,6 @@ def test_launch_plan_gives_each_replica_its_rank_and_each_drafter_its_port(tmp_p
 
 
 # ------------------------------------------------------------------------------------------- two processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker(rank: int, port: int, data: str, out: str) -> None:
     """One replica: step 1 sums batch A (rank 0) and B (rank 1); step 2 has A on rank 0 and nothing on rank 1."""
     from consumer.distributed import ReplicaGroup
@@ -147,7 +141,7 @@ def test_two_gloo_replicas_step_exactly_like_one_trainer_over_both_batches(tmp_p
         ids, mask, cu = packed(seqs)
         batches.append((target_features(model, seqs), ids, mask, cu))
     torch.save({"target": str(tmp_path / "target"), "batches": batches}, tmp_path / "data.pt")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
     code = "import sys; from test_scaleout_unit import worker; worker(int(sys.argv[1]), *sys.argv[2:])"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), str(tmp_path / "data.pt"),

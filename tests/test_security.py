@@ -13,6 +13,7 @@ import torch
 import zmq
 import zmq.auth
 
+from bench.harness import write_job
 from common.channel import ConsumerChannel, ProducerChannel
 from common.config import ConfigError, is_loopback, load_job, parse_job
 from common.protocol import Hello, Welcome, encode
@@ -160,26 +161,13 @@ def test_a_tcp_job_outside_loopback_runs_with_curve_end_to_end():
     from consumer.stream import BatchStream, ReceivedBatch
 
     run_dir = Path(tempfile.mkdtemp(prefix="dfs-", dir="/tmp"))
-    job_path = run_dir / "job.toml"
-    job_path.write_text(f"""
-[job]
-name = "curve-{run_dir.name[4:]}"
-run_dir = "{run_dir}"
-[target]
-path = "unused"
-[data]
-path = "unused"
-max_length = 64
-tokens_per_batch = 64
-[transport]
-endpoint = "tcp"
-tcp_host = "0.0.0.0"
-heartbeat_interval_s = 0.1
-heartbeat_timeout_s = 2.0
-attach_timeout_s = 60
-[[drafters]]
-name = "d0"
-""")
+    job_path = write_job(run_dir / "job.toml", {
+        "job": {"name": f"curve-{run_dir.name[4:]}", "run_dir": str(run_dir)}, "target": {"path": "unused"},
+        "data": {"path": "unused", "max_length": 64, "tokens_per_batch": 64},
+        "transport": {"endpoint": "tcp", "tcp_host": "0.0.0.0", "heartbeat_interval_s": 0.1,
+                      "heartbeat_timeout_s": 2.0, "attach_timeout_s": 60},
+        "drafters": [{"name": "d0"}],
+    })
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "tests.procs.transport_pair", "producer", str(job_path), "3",
                              str(run_dir / "out.json")], cwd=ROOT, env=env)

@@ -20,23 +20,12 @@ from consumer.checkpoint import load_latest
 from demo.tiny import synthetic_chats, write_jsonl
 from tests.jobs import ROOT, finish, launch, remove_ring, write_job
 
-DRAFTERS = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 8
-loss_chunk_rows = 64
-checkpoint_every = 1000
-log_every = 2
-[[drafters]]
-name = "d1"
-block_size = 4
-num_layers = 1
-anchors_per_seq = 8
-loss_chunk_rows = 64
-checkpoint_every = 1000
-"""
+DRAFTERS = [
+    {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 8, "loss_chunk_rows": 64,
+     "checkpoint_every": 1000, "log_every": 2},
+    {"name": "d1", "block_size": 4, "num_layers": 1, "anchors_per_seq": 8, "loss_chunk_rows": 64,
+     "checkpoint_every": 1000},
+]
 pytestmark = pytest.mark.slow
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench import harness
 from telemetry.aggregate import FORGET_AFTER_STALE, MAX_SOURCES
 from telemetry.service import INGEST_PER_S
 from tests.test_telemetry_integration import ROOT, cli, python_env
@@ -55,23 +56,11 @@ print(sent)
 
 
 def write_job(run_dir: Path, path: Path) -> Path:
-    path.write_text(f"""
-[job]
-name = "flood"
-run_dir = "{run_dir}"
-[target]
-path = "/nonexistent/target"
-[data]
-path = "/nonexistent/data.jsonl"
-[[drafters]]
-name = "d0"
-[telemetry]
-interval_s = 0.2
-window_s = 0.5
-stale_after_s = {STALE_AFTER_S}
-wandb_mode = "disabled"
-""")
-    return path
+    return harness.write_job(path, {
+        "job": {"name": "flood", "run_dir": str(run_dir)}, "target": {"path": "/nonexistent/target"},
+        "data": {"path": "/nonexistent/data.jsonl"}, "drafters": [{"name": "d0"}],
+        "telemetry": {"interval_s": 0.2, "window_s": 0.5, "stale_after_s": STALE_AFTER_S, "wandb_mode": "disabled"},
+    })
 
 
 def docs(run_dir: Path) -> list[dict]:

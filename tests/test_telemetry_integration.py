@@ -87,26 +87,13 @@ def python_env() -> dict:
 
 
 def write_job(run_dir: Path, path: Path, wandb_mode: str = "offline") -> Path:
-    path.write_text(
-        f"""
-[job]
-name = "tjob"
-run_dir = "{run_dir}"
-[target]
-path = "/nonexistent/target"
-[data]
-path = "/nonexistent/data.jsonl"
-[[drafters]]
-name = "d0"
-replicas = 2
-[telemetry]
-interval_s = {INTERVAL_S}
-window_s = {WINDOW_S}
-stale_after_s = 5.0
-wandb_mode = "{wandb_mode}"
-"""
-    )
-    return path
+    from bench import harness
+
+    return harness.write_job(path, {
+        "job": {"name": "tjob", "run_dir": str(run_dir)}, "target": {"path": "/nonexistent/target"},
+        "data": {"path": "/nonexistent/data.jsonl"}, "drafters": [{"name": "d0", "replicas": 2}],
+        "telemetry": {"interval_s": INTERVAL_S, "window_s": WINDOW_S, "stale_after_s": 5.0, "wandb_mode": wandb_mode},
+    })
 
 
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:

@@ -3,33 +3,21 @@
 exactly once over the four producers, and node 0's audit (with node 1's logs) proves it."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.harness import free_port
 from consumer.checkpoint import load_latest
 from tests.jobs import ROOT, finish, launch, tiny_assets, write_job
 
-DRAFTER = """
-[[drafters]]
-name = "a"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 4
-log_every = 1
-"""
+DRAFTER = [
+    {"name": "a", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 4, "log_every": 1},
+]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_of_two_producers_train_every_sample_once(tmp_path_factory):

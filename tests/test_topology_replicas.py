@@ -14,27 +14,12 @@ import pytest
 
 from tests.jobs import ROOT, finish, launch, ring_file, tiny_assets, wait_for, write_job
 
-ONE = """
-[[drafters]]
-name = "a"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 3
-log_every = 1
-"""
-TWO = ONE + """
-[[drafters]]
-name = "b"
-block_size = 4
-num_layers = 1
-anchors_per_seq = 8
-loss_chunk_rows = 64
-checkpoint_every = 2
-log_every = 1
-replicas = 2
-"""
+ONE = [
+    {"name": "a", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+     "checkpoint_every": 3, "log_every": 1},
+]
+TWO = [*ONE, {"name": "b", "block_size": 4, "num_layers": 1, "anchors_per_seq": 8, "loss_chunk_rows": 64,
+              "checkpoint_every": 2, "log_every": 1, "replicas": 2}]
 pytestmark = pytest.mark.slow
 
 
@@ -43,7 +28,7 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
-def replicated_job(assets: Path, drafters: str, name: str) -> Path:
+def replicated_job(assets: Path, drafters: list[dict], name: str) -> Path:
     job = write_job(assets, drafters=drafters, tokens_per_batch=1024, name=name)
     job.write_text(job.read_text().replace("num_features = 3", "num_features = 3\nreplicas = 2"))
     return job

@@ -15,13 +15,16 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig
 
+from bench.harness import spawn
 from common.config import ConfigError, TargetConfig, load_job
 from common.launch_plan import plan
 from tests.jobs import tiny_assets, write_job
 from tests.target_zoo import build_target
 
 ROOT = Path(__file__).resolve().parent.parent
-DRAFTER = '[[drafters]]\nname = "d0"\nblock_size = 8\nnum_layers = 1\n'
+DRAFTER = [
+    {"name": "d0", "block_size": 8, "num_layers": 1},
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +39,6 @@ def zoo_job(assets: Path, target: Path, tp: int, name: str, ep: int = 1) -> Path
     text = job.read_text().replace(f'path = "{assets / "target"}"', f'path = "{target}"\ntp_size = {tp}\nep_size = {ep}')
     job.write_text(text.replace("[data]\n", f'[data]\ntokenizer = "{target}"\n'))
     return job
-
-
-def spawn(args, log, env=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=open(log, "a"),
-                            stderr=subprocess.STDOUT)
 
 
 def wait_all(procs, timeout=240):
@@ -97,7 +94,7 @@ def test_tp2_ring_features_equal_tp1(assets, tmp_path, arch, ep):
 
 
 def test_launch_plan_gives_every_rank_torchruns_variables(assets, tmp_path):
-    job = write_job(assets, drafters=DRAFTER, extra="")
+    job = write_job(assets, drafters=DRAFTER)
     text = job.read_text().replace("num_features = 3", 'num_features = 3\ntp_size = 2\ndevices = ["cuda:2", "cuda:3"]')
     job.write_text(text.replace("[transport]\n", '[transport]\nkind = "cuda"\n'))
     procs = {p.name: p for p in plan(load_job(job), str(job), "py", master_port=30000)}

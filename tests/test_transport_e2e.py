@@ -4,54 +4,41 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = """
-[job]
-name = "{name}"
-run_dir = "{run_dir}"
-[target]
-path = "/nonexistent-target"
-dtype = "float32"
-[data]
-path = "unused.jsonl"
-max_length = 64
-tokens_per_batch = 256
-[transport]
-slots = 4
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 1.5
-attach_timeout_s = 60
-[[drafters]]
-name = "d0"
-[[drafters]]
-name = "d1"
-replicas = 2
-"""
+from bench import harness
+from bench.harness import write_job
+from tests.jobs import ring_file
+
+
+def job_doc(name: str, run_dir: Path) -> dict:
+    return {
+        "job": {"name": name, "run_dir": str(run_dir)},
+        "target": {"path": "/nonexistent-target", "dtype": "float32"},
+        "data": {"path": "unused.jsonl", "max_length": 64, "tokens_per_batch": 256},
+        "transport": {"slots": 4, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "attach_timeout_s": 60},
+        "drafters": [{"name": "d0"}, {"name": "d1", "replicas": 2}],
+    }
 
 
 @pytest.fixture
 def job(request):
     run_dir = Path(tempfile.mkdtemp(prefix="dft-", dir="/tmp"))
     name = f"t{os.getpid()}{abs(hash(request.node.name)) % 10_000}"
-    path = run_dir / "job.toml"
-    path.write_text(JOB.format(name=name, run_dir=run_dir))
+    path = write_job(run_dir / "job.toml", job_doc(name, run_dir))
     yield path, run_dir
-    Path(f"/dev/shm/dflash-ring-test-{name}").unlink(missing_ok=True)  # left by a SIGKILLed producer
+    ring_file(path).unlink(missing_ok=True)  # left by a SIGKILLed producer
     if not os.environ.get("KEEP_TEST_RUNS"):
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
 
 
-def spawn(*args, log: Path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "tests.procs.transport_pair", *map(str, args)],
-                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def side(*args, log: Path):
+    """One side of tests/procs/transport_pair.py."""
+    return harness.spawn(["-m", "tests.procs.transport_pair", *args], log)
 
 
 def read(path):
@@ -77,9 +64,9 @@ def wait_until(pred, timeout, what):
 def test_500_batches_reach_every_group_exactly_once_intact(job):
     path, run = job
     n = 500
-    procs = [spawn("producer", path, n, run / "p.json", log=run / "p.log")]
+    procs = [side("producer", path, n, run / "p.json", log=run / "p.log")]
     members = [("d0", 0), ("d1", 0), ("d1", 1)]
-    procs += [spawn("consumer", path, d, r, run / f"{d}{r}.json", log=run / f"{d}{r}.log") for d, r in members]
+    procs += [side("consumer", path, d, r, run / f"{d}{r}.json", log=run / f"{d}{r}.log") for d, r in members]
     try:
         for p in procs:
             assert p.wait(timeout=180) == 0, (run / "p.log").read_text()[-3000:]
@@ -97,12 +84,14 @@ def test_500_batches_reach_every_group_exactly_once_intact(job):
     assert not Path(prod["ring_path"]).exists()  # the creator removed its shared memory
 
 
-def test_killed_consumer_is_fenced_and_a_restarted_one_continues(job):
+def test_killed_consumer_is_fenced_a_restarted_one_continues_and_a_killed_producer_ends_them_with_3(job):
+    """One job for both faults (CI time): a SIGKILLed consumer is fenced and its restart continues; then the
+    producer is SIGKILLed and every consumer left exits 3 with a message, within the heartbeat timeout."""
     path, run = job
     n = 100_000  # more than the test will consume
-    prod = spawn("producer", path, n, run / "p.json", log=run / "p.log")
-    d0 = spawn("consumer", path, "d0", 0, run / "d0.json", log=run / "d0.log")
-    d1 = [spawn("consumer", path, "d1", r, run / f"d1{r}.json", log=run / f"d1{r}.log") for r in (0, 1)]
+    prod = side("producer", path, n, run / "p.json", log=run / "p.log")
+    d0 = side("consumer", path, "d0", 0, run / "d0.json", log=run / "d0.log")
+    d1 = [side("consumer", path, "d1", r, run / f"d1{r}.json", log=run / f"d1{r}.log") for r in (0, 1)]
     procs = [prod, d0, *d1]
     try:
         wait_until(lambda: count(run / "d10.json") > 50, 120, "d1.r0 to train 50 batches")
@@ -113,33 +102,23 @@ def test_killed_consumer_is_fenced_and_a_restarted_one_continues(job):
         assert fenced_after < 1.5 + 1.0  # heartbeat timeout + slack (ipc usually reports at once)
         before = count(run / "d11.json")
         wait_until(lambda: count(run / "d11.json") > before + 50, 60, "d1.r1 to go on alone")
-        restarted = spawn("consumer", path, "d1", 0, run / "d10b.json", log=run / "d10b.log")
+        restarted = side("consumer", path, "d1", 0, run / "d10b.json", log=run / "d10b.log")
         procs.append(restarted)
         wait_until(lambda: count(run / "d10b.json") > 20, 60, "restarted d1.r0")
         for name in ("d0", "d11", "d10b"):
             assert read(run / f"{name}.json")["bad"] == []
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
-
-def test_killed_producer_makes_consumers_exit_nonzero_with_message(job):
-    path, run = job
-    prod = spawn("producer", path, 100_000, run / "p.json", log=run / "p.log")
-    cons = [spawn("consumer", path, d, r, run / f"{d}{r}.json", log=run / f"{d}{r}.log")
-            for d, r in (("d0", 0), ("d1", 0), ("d1", 1))]
-    try:
-        wait_until(lambda: all(count(run / f"{n}.json") > 10 for n in ("d00", "d10", "d11")), 120, "batches to flow")
+        flowing = {name: count(run / f"{name}.json") for name in ("d0", "d11", "d10b")}
+        wait_until(lambda: all(count(run / f"{k}.json") > v for k, v in flowing.items()), 60, "batches to flow")
         prod.send_signal(signal.SIGKILL)
         killed = time.time()
-        for c in cons:
+        for c in (d0, d1[1], restarted):
             assert c.wait(timeout=30) == 3
-        for n in ("d00", "d10", "d11"):
-            line = next(li for li in (run / f"{n}.log").read_text().splitlines() if li.startswith("LOST_AT"))
+        for name in ("d0", "d11", "d10b"):
+            line = next(li for li in (run / f"{name}.log").read_text().splitlines() if li.startswith("LOST_AT"))
             assert "lost the producer" in line
             assert float(line.split()[1].rstrip(":")) - killed < 1.5 + 1.0  # heartbeat timeout + slack
     finally:
-        for p in (prod, *cons):
+        for p in procs:
             p.kill()
             p.wait()

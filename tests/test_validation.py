@@ -24,6 +24,7 @@ from consumer.export.layout import trainer_export_config
 from consumer.group_cursor import GroupCursor
 from consumer.loss import full_logits_loss
 from consumer.objective import attention_masks, build_draft_batch
+from consumer.resume_points import ResumePoints
 from consumer.service import ConsumerService
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
@@ -235,7 +236,7 @@ def _service(trainer, root, best):
     env = GroupEnv.resolve({}, replica=0, replicas=1, node_rank=0, nnodes=1)
     save = functools.partial(write_checkpoint, root, export=trainer_export_config(trainer), keep_last=2)
     return ConsumerService(trainer, stream=None, save_checkpoint=save,
-                           group=ReplicaGroup(env, torch.device("cpu")), cursor=GroupCursor.fresh(1),
+                           group=ReplicaGroup(env, torch.device("cpu")), resume=ResumePoints(GroupCursor.fresh(1), 0),
                            checkpoint_every=1000, idle_timeout_s=1.0, best=best)
 
 

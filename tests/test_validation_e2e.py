@@ -8,24 +8,15 @@ import signal
 
 import pytest
 
+from bench.harness import spawn
 from common.accounting_check import check_run, read_records
 from common.checkpoint_pointer import BEST, read_pointer
 from producer.validation import split_held_out
 from telemetry.plot import plot_training, read_series
-from tests.jobs import spawn, tiny_assets, wait_all, write_job
+from tests.jobs import tiny_assets, wait_all, write_job
 
-DRAFTER = """
-[[drafters]]
-name = "d0"
-block_size = 8
-num_layers = 1
-anchors_per_seq = 16
-loss_chunk_rows = 64
-checkpoint_every = 1000
-log_every = 4
-total_steps = 100
-lr = 3e-3
-"""
+DRAFTER = {"name": "d0", "block_size": 8, "num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64,
+           "checkpoint_every": 1000, "log_every": 4, "total_steps": 100, "lr": 3e-3}
 EVAL_EVERY = 6
 
 
@@ -36,10 +27,9 @@ def assets(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_job_with_a_held_out_split_logs_val_metrics_keeps_the_best_and_audits(assets, tmp_path):
-    job = write_job(assets, drafters=DRAFTER, tokens_per_batch=2048, name="val")
-    text = job.read_text().replace("heartbeat_timeout_s = 2.0", "heartbeat_timeout_s = 20.0")  # a loaded machine
-    job.write_text(text.replace(
-        "epochs = 1\n", f"epochs = 1\nvalidation = 0.1\neval_every = {EVAL_EVERY}\nvalidation_max_records = 8\n"))
+    job = write_job(assets, drafters=[DRAFTER], tokens_per_batch=2048, name="val",
+                    overrides={"transport": {"heartbeat_timeout_s": 20.0},  # a loaded machine
+                               "data": {"validation": 0.1, "eval_every": EVAL_EVERY, "validation_max_records": 8}})
     run = job.parent
     logs = {name: tmp_path / f"{name}.log" for name in ("telemetry", "producer", "consumer")}
     telemetry = spawn(["-m", "telemetry", "--job", job], logs["telemetry"])

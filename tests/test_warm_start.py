@@ -170,7 +170,7 @@ def test_consumer_process_with_a_mismatched_init_from_exits_2_naming_the_file(tm
     published = tmp_path / "published"
     published.mkdir()
     (published / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [0], "block_size": 16}}))
-    job = write_job(tiny_assets(tmp_path / "assets"), drafters=f'[[drafters]]\nname = "d0"\ninit_from = "{published}"\n')
+    job = write_job(tiny_assets(tmp_path / "assets"), drafters=[{"name": "d0", "init_from": str(published)}])
     done = subprocess.run([sys.executable, "-m", "consumer", "--job", str(job), "--drafter", "d0",
                            "--profile-interval", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

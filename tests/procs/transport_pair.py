@@ -55,13 +55,13 @@ class FakeTarget:
 
 
 def producer(job_path: str, num_batches: int, out_path: str) -> int:
-    from producer.service import ProducerService
+    from producer.build import build_service
 
     job = load_job(job_path)
     job.run_paths.make()
-    service = ProducerService(
+    service = build_service(
         job, FakeTarget(), lambda start: (make_batch(s, job.data.tokens_per_batch) for s in range(start, num_batches)),
-        num_batches, ring_name=f"test-{job.job.name}",
+        num_batches,
     )
     ring_path = service.ring.path
     status = service.run()
