@@ -216,6 +216,15 @@ class DrafterConfig(_Section):
     log_every: Annotated[int, Field(ge=1)] = 10
     max_nonfinite_steps: Annotated[int, Field(ge=1)] = 10
     seed: int | None = None  # default: the job seed
+    # DFlash2 (z-lab dflash/model.py; consumer/dflash2.py): grouped dynamic causal convolutions around each
+    # sublayer and a candidate selector over the full vocabulary; the five keys below apply to it only
+    arch: Literal["dflash1", "dflash2"] = "dflash1"
+    conv_kernel_size: Annotated[int, Field(ge=1, le=16)] = 2  # taps per convolution (block-local)
+    conv_group_size: Annotated[int, Field(ge=1)] = 16  # channels sharing one dynamic tap; divides hidden_size
+    selector_rank: Annotated[int, Field(ge=1)] = 256  # r of the codebooks [V, r] and hidden_projection H -> r
+    selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
+    # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
+    selector_alpha: Annotated[float, Field(ge=0)] = 1.0
 
     @model_validator(mode="after")
     def _devices_match_replicas(self) -> DrafterConfig:

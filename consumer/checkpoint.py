@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from common.checkpoint_pointer import LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
+from consumer.dflash2 import export_config_of, extra_export_files
 from consumer.model import DrafterArch
 from consumer.shape import shape_from_config
 from consumer.target_parts import TargetParts
@@ -142,7 +143,9 @@ def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: di
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(EXPORT_MODULE, out_dir / "dflash.py")
-    for name in EXPORT_FILES:
+    for name, source in extra_export_files(config).items():  # DFlash2: dflash2.py (consumer/dflash2.py)
+        shutil.copyfile(source, out_dir / name)
+    for name in (*EXPORT_FILES, *extra_export_files(config)):
         _fsync_file(out_dir / name)
 
 
@@ -195,14 +198,14 @@ def _save(root: Path, trainer, keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{trainer.step}"
     final = root / name
-    config = export_config(
+    config = export_config_of(export_config(
         trainer.arch,
         trainer.parts,
         block_size=trainer.cfg.block_size,
         mask_token_id=trainer.mask_token_id,
         target_layer_ids=trainer.target_layer_ids,
         dtype=trainer.cfg.dtype,
-    )
+    ), trainer.model)  # drafters.arch = "dflash2": its layout
     state = {**trainer.state_dict(), "shape": drafter_shape(trainer)}  # checked at resume (check_shape)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     stale = None
@@ -210,7 +213,7 @@ def _save(root: Path, trainer, keep_last: int) -> Path:
         write_export(tmp, state["model"], config)
         torch.save(state, tmp / STATE_FILE)
         _fsync_file(tmp / STATE_FILE)
-        write_manifest(tmp, (*EXPORT_FILES, STATE_FILE))
+        write_manifest(tmp, (*EXPORT_FILES, *extra_export_files(config), STATE_FILE))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. on shutdown right after a periodic save)
             stale = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))
@@ -401,7 +404,7 @@ def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
 
 def drafter_shape(trainer) -> dict:
     """The shape keys of `trainer` (consumer/shape.py), as save_checkpoint records them in trainer_state.pt."""
-    config = export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                           mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                           dtype=trainer.cfg.dtype)
+    config = export_config_of(export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
+                              mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
+                              dtype=trainer.cfg.dtype), trainer.model)
     return {**shape_from_config(config), "optimizer": type(trainer.optimizer).__name__}

@@ -225,7 +225,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.arch = arch
         H = arch.hidden_size
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(self._make_layer(arch) for _ in range(arch.num_layers))
         self.fc = nn.Linear(arch.num_features * H, H, bias=False)  # [H, n·H]
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         self.norm = RMSNorm(H, arch.rms_norm_eps)
@@ -239,6 +239,13 @@ class DFlashDrafter(nn.Module):
             if isinstance(m, nn.Linear):  # Qwen3's initializer_range
                 with torch.no_grad():
                     m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * 0.02)
+
+    def _make_layer(self, arch: DrafterArch) -> nn.Module:
+        return DecoderLayer(arch)  # consumer/dflash2.py builds its own
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards as units of their own (the root holds the rest)."""
+        return list(self.layers)
 
     def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Absolute positions [L] -> cos, sin [L, 1, d] in float32."""

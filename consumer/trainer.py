@@ -23,12 +23,13 @@ from torch import Tensor
 
 from common.config import DataConfig, DrafterConfig
 from common.host_memory import keep_freed_memory
+from consumer.dflash2 import DFlash2Drafter, SelectorMetrics, make_drafter, selector_loss
 from consumer.distributed import GroupError
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 from consumer.mask_token import resolve_mask_token_id
-from consumer.model import DFlashDrafter, DrafterArch
+from consumer.model import DrafterArch
 from consumer.objective import anchor_budget, attention_masks, build_draft_batch
 from consumer.target_parts import TargetParts
 
@@ -100,7 +101,7 @@ class Trainer:
         lm_head = embed if parts.tie_word_embeddings else parts.lm_head.to(self.device, frozen_dtype)
         self.parts = dataclasses.replace(parts, embed_tokens=embed, lm_head=lm_head)  # no host copies kept
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
-        self.model = DFlashDrafter(self.arch, embed, lm_head, init_seed=self.seed).to(self.device)
+        self.model = make_drafter(cfg, self.arch, embed, lm_head, self.seed).to(self.device)  # drafters.arch
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
                                                   len(set(self.arch.attention_layers))), prof) if self.use_flex else None
@@ -110,6 +111,7 @@ class Trainer:
         self._full_state: tuple[int, dict, dict, Tensor] | None = None  # FSDP: (step, model, optim, rngs)
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
         self.metrics = DraftMetrics(cfg.block_size, self.device)
+        self.selector_metrics = SelectorMetrics(self.device)  # DFlash2 only
         # device-side skip bookkeeping: [skipped total, current run, longest run since read, run's first seq, last seq]
         self._nonfinite = torch.zeros(5, dtype=torch.int64, device=self.device)
         self._nonfinite_logged = 0
@@ -157,8 +159,8 @@ class Trainer:
 
         if self.step or self._pending_tokens:
             raise RuntimeError(f"drafter {self.cfg.name}: shard() after training started")
-        for layer in self.model.layers:
-            fully_shard(layer, mesh=mesh)
+        for unit in self.model.fsdp_units():  # decoder layers (DFlash2: and its candidate selector)
+            fully_shard(unit, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
@@ -322,6 +324,9 @@ class Trainer:
             loss_sum, correct = chunked_lm_head_loss(
                 h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
             )
+            if isinstance(self.model, DFlash2Drafter):  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
+                sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, batch.weights, cfg.loss_chunk_rows)
+                loss_sum = loss_sum + cfg.selector_alpha * sel_sum
         with self._timer("backward"):
             (loss_sum * 0.0 if stand_in else loss_sum).backward()  # a stand-in adds zero to every gradient
         if stand_in:
@@ -329,6 +334,8 @@ class Trainer:
         self._pending_loss += loss_sum.detach()
         self._pending_weight += batch.weights.sum()
         self.metrics.add(loss_sum, correct, batch.weights)
+        if isinstance(self.model, DFlash2Drafter):
+            self.selector_metrics.add(sel_stats)
         if self.prof:
             self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
 
@@ -406,6 +413,8 @@ class Trainer:
                 f" to seq {last_bad}.{cause}"
             )
         out = self.metrics.read()
+        if isinstance(self.model, DFlash2Drafter):
+            out.update(self.selector_metrics.read())
         out.update(
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=float(self._grad_norm),
