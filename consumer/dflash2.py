@@ -109,8 +109,8 @@ class DFlash2DecoderLayer(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """Edge scores over each slot's candidates. Its own FSDP unit (consumer/trainer.py shards it), so it is
-    only ever called through forward."""
+    """Edge scores over each slot's candidates. Its own FSDP unit (`DFlash2Drafter.fsdp_units`): the codebooks
+    (2·V·r, 127M parameters at V = 248,320) are gathered around its call only, not with the root's weights."""
 
     def __init__(self, hidden_size: int, vocab_size: int, shape: DFlash2Shape):
         super().__init__()
@@ -167,6 +167,18 @@ class DFlash2Drafter(DFlashDrafter):
         return [f"layers.{i}.{s}" for i in range(num_layers) for s in cls.IDENTITY_INIT_SUFFIXES] + list(
             cls.SELECTOR_PARAMS)
 
+    @torch.no_grad()
+    def walk(self, hidden: Tensor, anchor: Tensor) -> Tensor:
+        """hidden [B-1, H] of the proposal slots, anchor [] the verified token -> greedy drafts [B-1]:
+        x_t = argmax over the candidates of S_t(x_{t-1} -> b), x_0 = the anchor (consumer/export/dflash2.py)."""
+        unary, cand = self.logits(hidden).float().topk(self.candidate_selector.top_k, dim=-1)  # [B-1, k]
+        drafts, prev = [], anchor.view(1)
+        for t in range(hidden.shape[0]):
+            scores = self.candidate_selector(hidden[t:t + 1], unary[t:t + 1], cand[t:t + 1], prev)  # [1, k]
+            prev = cand[t, scores.argmax(-1)]
+            drafts.append(prev)
+        return torch.cat(drafts)
+
     def load_dflash1_state(self, state: dict[str, Tensor], source: str = "the DFlash1 state") -> None:
         """Warm start from a DFlash1 drafter's state dict of the same shape: every DFlash1 tensor is loaded, the
         convolutions reset to identity and the selector keeps its init, so the unary logits equal the DFlash1
@@ -186,6 +198,25 @@ class DFlash2Drafter(DFlashDrafter):
         for layer in self.layers:
             layer.attention_conv.reset_identity()
             layer.mlp_conv.reset_identity()
+
+
+class DFlash2Proposer:
+    """A trained DFlash2 drafter behind consumer.speculative's Drafter protocol (greedy: the walk from the anchor
+    over the edge scores; no draft_logits, since its q is the selector's restricted one: sampling is served by
+    the exported spec_generate)."""
+
+    def __init__(self, model: DFlash2Drafter, mask_token_id: int, layer_ids: list[int]):
+        self.model = model.eval()
+        self.block_size = model.shape.block_size
+        self.mask_token_id = mask_token_id
+        self.layer_ids = list(layer_ids)
+
+    def propose(self, context_features: Tensor, tokens: Tensor) -> Tensor:
+        """context_features [p, n·H], tokens [p+1] (tokens[-1] the anchor) -> draft ids [B-1]."""
+        block = tokens.new_full((self.block_size,), self.mask_token_id)
+        block[0] = tokens[-1]
+        h = self.model.draft_hidden(context_features.to(self.model.fc.weight.dtype), block)  # [B, H]
+        return self.model.walk(h[1:], block[0])
 
 
 def make_drafter(cfg: DrafterConfig, arch: DrafterArch, embed_tokens: Tensor, lm_head: Tensor,

@@ -281,9 +281,14 @@ class DFlashDrafter(nn.Module):
         """One sequence: context_features [S, n·H] of positions 0..S-1, block_ids [B] =
         [last committed token, MASK × (B-1)] at positions S..S+B-1 -> logits [B, V] (slot 0 included;
         argmax of slots 1..B-1 are the draft tokens)."""
+        return self.logits(self.draft_hidden(context_features, block_ids))
+
+    @torch.no_grad()
+    def draft_hidden(self, context_features: Tensor, block_ids: Tensor) -> Tensor:
+        """As `draft`, the final-normed block states [B, H] (DFlash2 walks its selector over them)."""
         S, B = context_features.shape[0], block_ids.shape[0]
         pos = torch.arange(S + B, device=block_ids.device)
         masks: dict[str, Mask] = {"full_attention": None}
         if self.arch.sliding_window is not None:  # |query position - key position| < W
             masks["sliding_attention"] = (pos[S:, None] - pos[None, :]).abs() < self.arch.sliding_window
-        return self.logits(self(context_features, pos[:S], block_ids, pos[S:], masks))
+        return self(context_features, pos[:S], block_ids, pos[S:], masks)

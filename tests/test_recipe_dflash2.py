@@ -390,6 +390,27 @@ def test_served_walk_equals_the_trained_selector_and_q_lives_on_the_candidates(t
         assert all(int(drafts[t]) in cand[t].tolist() for t in range(B - 1))
 
 
+def test_dflash_eval_loads_the_export_and_decodes_with_the_same_walk(trained):
+    """consumer/evaluate.py (dflash-eval) on the DFlash2 export: every step proposes what the shipped modeling
+    file proposes, decoding equals the target's greedy output with the same acceptance lengths; temperature > 0
+    is refused with the reason (the selector's q is served by spec_generate)."""
+    from consumer.evaluate import load_drafter, load_target
+    from consumer.speculative import speculative_generate
+
+    target, trainer, ckpt, draft, prompts = trained
+    proposer = load_drafter(ckpt, trainer.parts.path)
+    assert type(proposer).__name__ == "DFlash2Proposer" and proposer.block_size == B
+    runner = load_target(trainer.parts.path, proposer.layer_ids)
+    for prompt in prompts[:2]:
+        gen = speculative_generate(runner, proposer, prompt, 40, EOS)
+        out = draft.spec_generate(input_ids=prompt[None], max_new_tokens=40, temperature=0.0, target=target,
+                                  stop_token_ids=[EOS])
+        assert [*prompt.tolist(), *gen.tokens] == out[0].tolist() == plain_greedy(target, prompt, 40)
+        assert gen.accept_lengths == draft.acceptance_lengths
+    with pytest.raises(ValueError, match="needs a drafter with draft_logits"):
+        speculative_generate(runner, proposer, prompts[0], 8, EOS, temperature=0.7)
+
+
 @pytest.mark.slow
 def test_hybrid_target_trains_exports_and_serves_greedy_exactly(tmp_path):
     """Qwen3.5's text decoder (Gated DeltaNet + full attention: a cache restored from a copy, not cropped)."""
