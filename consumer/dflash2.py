@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from common.config import DrafterConfig
 from consumer.model import MLP, Attention, DFlashDrafter, DrafterArch, RMSNorm
@@ -239,6 +240,13 @@ def make_drafter(cfg: DrafterConfig, arch: DrafterArch, embed_tokens: Tensor, lm
 SELECTOR_STATS = ("selector_recall", "selector_acc")
 
 
+def _edge_scores(model: DFlash2Drafter, h: Tensor, cand: Tensor, prev: Tensor) -> Tensor:
+    """S [n, k] of one chunk: the candidates' unary logits U (through h: no stop-gradient) plus the selector's."""
+    lm_head = model.lm_head
+    unary = torch.einsum("nh,nkh->nk", h.to(lm_head.dtype), F.embedding(cand, lm_head))  # U at the candidates
+    return model.candidate_selector(h, unary, cand, prev)
+
+
 def selector_loss(model: DFlash2Drafter, hidden: Tensor, labels: Tensor, weights: Tensor,
                   chunk_rows: int) -> tuple[Tensor, Tensor]:
     """hidden [Q, H] final-normed block rows, labels/weights [Q] of consumer.objective.DraftBatch ->
@@ -255,8 +263,8 @@ def selector_loss(model: DFlash2Drafter, hidden: Tensor, labels: Tensor, weights
         h, gold, w = hidden[s:e], labels[s:e], weights[s:e].float()
         with torch.no_grad():
             cand = (h.detach().to(lm_head.dtype) @ lm_head.T).topk(k, dim=-1).indices  # [n, k] strict top-k
-        unary = torch.einsum("nh,nkh->nk", h.to(lm_head.dtype), F.embedding(cand, lm_head))  # U at the candidates
-        scores = model.candidate_selector(h, unary, cand, prev[s:e])  # [n, k]
+        # recomputed in backward: the gathered head rows [n, k, H] are never kept for more than one chunk
+        scores = checkpoint(_edge_scores, model, h, cand, prev[s:e], use_reentrant=False)  # [n, k]
         hit = cand == gold[:, None]
         found = hit.any(-1)
         target = hit.float().argmax(-1)
