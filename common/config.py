@@ -414,7 +414,24 @@ def parse_job(doc: dict, source: str = "<job>") -> JobConfig:
     _check_slot_capacity(job, source)
     _check_tensor_parallel(job, source)
     _check_expert_parallel(job, source)
+    _check_dflash2_groups(job, source)
     return job
+
+
+def _check_dflash2_groups(job: JobConfig, source: str) -> None:
+    """A DFlash2 drafter's conv_group_size must divide the target's hidden size (checked when its config is on disk)."""
+    cfg_path = Path(job.target.path) / "config.json"
+    if not any(d.arch == "dflash2" for d in job.drafters) or not cfg_path.is_file():
+        return
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        hidden = int(cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size") or 0)
+    except (ValueError, OSError, AttributeError):
+        return
+    for i, d in enumerate(job.drafters):
+        if d.arch == "dflash2" and hidden and hidden % d.conv_group_size:
+            raise ConfigError(f"{source}: drafters.{i}.conv_group_size: {d.conv_group_size} does not divide the"
+                              f" target's hidden_size {hidden} ({cfg_path}); choose a divisor (DFlash2's default 16)")
 
 
 def _check_tensor_parallel(job: JobConfig, source: str) -> None:

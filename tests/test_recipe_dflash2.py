@@ -102,6 +102,24 @@ def test_group_size_must_divide_hidden_size():
         GroupedDynamicCausalConv(64, DFlash2Shape(block_size=4, conv_group_size=24))
 
 
+def test_group_size_is_checked_against_the_target_at_job_load(tmp_path):
+    import json
+
+    from common.config import ConfigError, load_job
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 64}}))
+    job = tmp_path / "job.toml"
+    body = (f'[target]\npath = "{tmp_path / "target"}"\n[data]\npath = "t.jsonl"\n[[drafters]]\nname = "a"\n'
+            '[[drafters]]\nname = "b"\narch = "dflash2"\n')
+    job.write_text(body + "conv_group_size = 32\n")
+    assert load_job(job).drafters[1].arch == "dflash2"
+    job.write_text(body + "conv_group_size = 24\n")
+    with pytest.raises(ConfigError, match=r"job.toml: drafters.1.conv_group_size: 24 does not divide the target's"
+                                          r" hidden_size 64"):
+        load_job(job)
+
+
 # ------------------------------------------------------------------------------------------ model
 def test_dflash2_parameter_names_are_the_export_names():
     model = DFlash2Drafter(ARCH, SHAPE, *frozen())
