@@ -459,3 +459,14 @@ def test_hybrid_target_trains_exports_and_serves_greedy_exactly(tmp_path):
         out = draft.spec_generate(input_ids=prompt[None], max_new_tokens=12, temperature=0.0, target=target,
                                   stop_token_ids=[EOS_ID])
         assert out[0].tolist() == plain_greedy(target, prompt, 12, EOS_ID)
+
+
+def test_memory_plan_counts_the_dflash2_parameters():
+    """consumer/memory_plan.py builds the job's drafter: DFlash2 adds 2 layers × 2 convolutions × (2·2·64 base +
+    16·64 projection) and the selector's 2·512·8 codebook + 8·64 projection parameters, all with Adam state."""
+    from consumer.memory_plan import step_peak
+
+    plans = {a: step_peak(ARCH, drafter_cfg(arch=a, block_size=B, selector_rank=8, selector_top_k=4), V, False,
+                          64, 32, "float32", False) for a in ("dflash1", "dflash2")}
+    assert plans["dflash2"]["params"] - plans["dflash1"]["params"] == 2 * 2 * (2 * 2 * 64 + 16 * 64) + 2 * 512 * 8 + 8 * 64
+    assert plans["dflash2"]["peak"] > plans["dflash1"]["peak"]
