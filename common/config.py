@@ -251,6 +251,13 @@ class DrafterConfig(_Section):
                 raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
         return self
 
+    @model_validator(mode="after")
+    def _dflash2_taps_fit_a_block(self) -> DrafterConfig:
+        if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size = {self.conv_kernel_size} is more taps than block_size ="
+                             f" {self.block_size} (a tap never crosses a block start)")
+        return self
+
     @property
     def attention_layers(self) -> list[str]:
         """The attention kind of each layer ("full_attention" or "sliding_attention")."""

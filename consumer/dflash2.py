@@ -54,14 +54,14 @@ class DFlash2Shape:
 def grouped_causal_conv(x: Tensor, delta: Tensor, base: Tensor, block_size: int, group_size: int) -> Tensor:
     """x [Q, H] (Q a multiple of block_size), delta [Q, K, G], base [K, H] -> [Q, H] (module docstring, 1)."""
     Q, H = x.shape
-    K, G = base.shape[0], H // group_size
-    xs = x.view(Q, G, group_size)
-    coef = base.view(1, K, G, group_size).to(x.dtype) + delta.to(x.dtype).unsqueeze(-1)  # [Q, K, G, gs]
-    out = coef[:, 0] * xs
-    slot = torch.arange(Q, device=x.device) % block_size
+    K, G, B = base.shape[0], H // group_size, block_size
+    xb = x.view(Q // B, B, G, group_size)  # [A, B, G, gs]: blocks, slots, groups, channels
+    db = delta.to(x.dtype).view(Q // B, B, K, G, 1)
+    bb = base.to(x.dtype).view(K, G, group_size)
+    out = xb * (bb[0] + db[:, :, 0])
     for t in range(1, K):
-        shifted = F.pad(xs[:-t], (0, 0, 0, 0, t, 0))  # x[i - t]
-        out = out + coef[:, t] * shifted * (slot >= t).view(-1, 1, 1).to(x.dtype)  # block-local
+        shifted = F.pad(xb[:, :-t], (0, 0, 0, 0, t, 0))  # x[i - t] within each block: zero for slots < t
+        out = out + shifted * (bb[t] + db[:, :, t])
     return out.reshape(Q, H)
 
 
@@ -247,11 +247,13 @@ def _edge_scores(model: DFlash2Drafter, h: Tensor, cand: Tensor, prev: Tensor) -
     return model.candidate_selector(h, unary, cand, prev)
 
 
-def selector_loss(model: DFlash2Drafter, hidden: Tensor, labels: Tensor, weights: Tensor,
-                  chunk_rows: int) -> tuple[Tensor, Tensor]:
+def selector_loss(model: DFlash2Drafter, hidden: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int,
+                  candidates: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """hidden [Q, H] final-normed block rows, labels/weights [Q] of consumer.objective.DraftBatch ->
     (Σ w · CE_sel as a float32 scalar, stats [3] float64: Σ valid slots, Σ gold in top-k, Σ selector argmax is
-    gold). The selector runs at least once (an FSDP unit: every replica calls it on every pass)."""
+    gold). candidates [Q, k]: the unary top-k, as chunked_lm_head_loss(top_k_out=...) gives them in its own
+    logits pass (the trainer); None: computed here (one more [Q, V] logits pass). The selector runs at least
+    once (an FSDP unit: every replica calls it on every pass)."""
     B, k = model.shape.block_size, model.candidate_selector.top_k
     lm_head = model.lm_head
     Q = hidden.shape[0]
@@ -261,8 +263,11 @@ def selector_loss(model: DFlash2Drafter, hidden: Tensor, labels: Tensor, weights
     for s in range(0, max(Q, 1), chunk_rows):
         e = min(s + chunk_rows, Q)
         h, gold, w = hidden[s:e], labels[s:e], weights[s:e].float()
-        with torch.no_grad():
-            cand = (h.detach().to(lm_head.dtype) @ lm_head.T).topk(k, dim=-1).indices  # [n, k] strict top-k
+        if candidates is not None:
+            cand = candidates[s:e]
+        else:
+            with torch.no_grad():
+                cand = (h.detach().to(lm_head.dtype) @ lm_head.T).topk(k, dim=-1).indices  # [n, k] strict top-k
         # recomputed in backward: the gathered head rows [n, k, H] are never kept for more than one chunk
         scores = checkpoint(_edge_scores, model, h, cand, prev[s:e], use_reentrant=False)  # [n, k]
         hit = cand == gold[:, None]

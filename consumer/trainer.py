@@ -321,11 +321,14 @@ class Trainer:
                                     kernel=self.flex)
         with self._timer("forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
+            dflash2 = isinstance(self.model, DFlash2Drafter)  # the unary top-k from the loss's own logits pass
+            cand = torch.empty(h.shape[0], cfg.selector_top_k, dtype=torch.int64, device=dev) if dflash2 else None
             loss_sum, correct = chunked_lm_head_loss(
-                h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
+                h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows, cand
             )
-            if isinstance(self.model, DFlash2Drafter):  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
-                sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, batch.weights, cfg.loss_chunk_rows)
+            if dflash2:  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
+                sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, batch.weights, cfg.loss_chunk_rows,
+                                                   cand)
                 loss_sum = loss_sum + cfg.selector_alpha * sel_sum
         with self._timer("backward"):
             (loss_sum * 0.0 if stand_in else loss_sum).backward()  # a stand-in adds zero to every gradient

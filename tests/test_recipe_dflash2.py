@@ -102,6 +102,14 @@ def test_group_size_must_divide_hidden_size():
         GroupedDynamicCausalConv(64, DFlash2Shape(block_size=4, conv_group_size=24))
 
 
+def test_more_taps_than_a_block_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"conv_kernel_size = 5 is more taps than block_size = 4"):
+        drafter_cfg(arch="dflash2", block_size=4, conv_kernel_size=5)
+    assert drafter_cfg(arch="dflash2", block_size=4, conv_kernel_size=4).conv_kernel_size == 4
+
+
 def test_group_size_is_checked_against_the_target_at_job_load(tmp_path):
     import json
 
@@ -218,6 +226,15 @@ def test_selector_loss_equals_the_slot_by_slot_definition_and_skips_gold_outside
         want, counts = loop_selector_loss(model, h, labels, batch.weights)
     assert stats.tolist() == counts and 0 < counts[1] < counts[0]  # some golds outside the top-k: skipped
     assert float(total) == pytest.approx(want, rel=1e-5)
+    # the trainer's path: the candidates come out of the unary loss's own logits pass
+    from consumer.loss import chunked_lm_head_loss
+
+    cand = torch.full((h.shape[0], 4), -1, dtype=torch.int64)
+    chunked_lm_head_loss(h, model.lm_head, labels, batch.weights, 5, cand)
+    assert torch.equal(cand, model.logits(h).topk(4, dim=-1).indices)
+    with torch.no_grad():
+        via_loss = selector_loss(model, h, labels, batch.weights, 7, cand)
+    assert torch.equal(via_loss[0], total) and torch.equal(via_loss[1], stats)
     # the predecessor is the previous slot's gold: another predecessor changes the loss
     with torch.no_grad():
         shifted = selector_loss(model, h, torch.cat([labels[1:], labels[:1]]), batch.weights.roll(-1), 64)[0]

@@ -35,13 +35,14 @@ class GroupedDynamicCausalConv(nn.Module):
     def _convolve(self, x, delta, base):
         """x [b, q, H] (q whole blocks), delta [b, q, K, G], base [K, H]: taps never cross a block start."""
         b, q, H = x.shape
-        xs = x.view(b, q, self.groups, self.group_size)
-        coef = base.view(1, 1, self.taps, self.groups, self.group_size).to(x.dtype) + delta.to(x.dtype)[..., None]
-        out = coef[:, :, 0] * xs
-        slot = torch.arange(q, device=x.device) % self.block_size
+        B = self.block_size
+        xb = x.view(b, q // B, B, self.groups, self.group_size)
+        db = delta.to(x.dtype).view(b, q // B, B, self.taps, self.groups, 1)
+        bb = base.to(x.dtype).view(self.taps, self.groups, self.group_size)
+        out = xb * (bb[0] + db[:, :, :, 0])
         for t in range(1, self.taps):
-            shifted = F.pad(xs[:, :-t], (0, 0, 0, 0, t, 0))
-            out = out + coef[:, :, t] * shifted * (slot >= t).view(1, -1, 1, 1).to(x.dtype)
+            shifted = F.pad(xb[:, :, :-t], (0, 0, 0, 0, t, 0))  # x[i - t] within each block
+            out = out + shifted * (bb[t] + db[:, :, :, t])
         return out.reshape(b, q, H)
 
     def prepare(self, x):
