@@ -132,7 +132,7 @@ class CandidateSelector(nn.Module):
 
 class DFlash2Drafter(DFlashDrafter):
     # identity-initialised parameters a DFlash1 state dict of the same shape lacks: `load_dflash1_state`
-    # keeps their init (a warm start; r20-swa's init_from loads directories through it)
+    # keeps their init (the warm start a DFlash1 drafter directory gives a DFlash2 job)
     IDENTITY_INIT_SUFFIXES = ("attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
                               "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight")
     SELECTOR_PARAMS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
@@ -182,10 +182,14 @@ class DFlash2Drafter(DFlashDrafter):
 
     def load_dflash1_state(self, state: dict[str, Tensor], source: str = "the DFlash1 state") -> None:
         """Warm start from a DFlash1 drafter's state dict of the same shape: every DFlash1 tensor is loaded, the
-        convolutions reset to identity and the selector keeps its init, so the unary logits equal the DFlash1
-        drafter's exactly. Names that are neither (or a shape mismatch) raise a ValueError naming them."""
+        convolutions reset to identity and the selector keeps what it holds (its init on a fresh drafter), so the
+        unary logits equal the DFlash1 drafter's exactly. A DFlash2 state (load_state_dict loads it), names that
+        are neither, or a shape mismatch raise a ValueError naming them."""
         new = set(self.identity_init_params(self.arch.num_layers))
         mine = self.state_dict()
+        if new & set(state):
+            raise ValueError(f"{source} holds DFlash2 tensors ({sorted(new & set(state))[:2]}): it is not a DFlash1"
+                             " state (a DFlash2 state loads as it is)")
         unknown = sorted(set(state) - set(mine))
         missing = sorted(set(mine) - set(state) - new)
         if unknown or missing:

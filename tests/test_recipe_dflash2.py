@@ -166,6 +166,8 @@ def test_warm_start_from_dflash1_gives_its_logits_exactly():
                                          r" \['bogus'\], missing \['fc.weight'\]"):
         state = {k: v for k, v in src.state_dict().items() if k != "fc.weight"}
         dst.load_dflash1_state({**state, "bogus": torch.zeros(1)}, source="ckpt/step_5")
+    with pytest.raises(ValueError, match=r"holds DFlash2 tensors .*: it is not a DFlash1 state"):
+        dst.load_dflash1_state(dst.state_dict())
     small = DFlashDrafter(DrafterArch(**{**ARCH.__dict__, "num_features": 2}), *frozen())
     with pytest.raises(ValueError, match=r"fc.weight \(64, 128\) \(this drafter \(64, 192\)\)"):
         dst.load_dflash1_state(small.state_dict())
