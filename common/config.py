@@ -248,6 +248,15 @@ class DrafterConfig(_Section):
     # a published drafter directory (config.json + safetensors, e.g. z-lab's) or one of our exports or
     # checkpoints to start from (consumer/warm_start.py); the job's own checkpoints, when any, win
     init_from: Annotated[str, Field(min_length=1)] | None = None
+    # DFlash2 (z-lab dflash/model.py; consumer/dflash2.py): grouped dynamic causal convolutions around each
+    # sublayer and a candidate selector over the full vocabulary; the five keys below apply to it only
+    arch: Literal["dflash1", "dflash2"] = "dflash1"
+    conv_kernel_size: Annotated[int, Field(ge=1, le=16)] = 2  # taps per convolution (block-local)
+    conv_group_size: Annotated[int, Field(ge=1)] = 16  # channels sharing one dynamic tap; divides hidden_size
+    selector_rank: Annotated[int, Field(ge=1)] = 256  # r of the codebooks [V, r] and hidden_projection H -> r
+    selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
+    # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
+    selector_alpha: Annotated[float, Field(ge=0)] = 1.0
 
     @model_validator(mode="after")
     def _devices_match_replicas(self) -> DrafterConfig:
@@ -274,6 +283,13 @@ class DrafterConfig(_Section):
                 raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
         return self
 
+    @model_validator(mode="after")
+    def _dflash2_taps_fit_a_block(self) -> DrafterConfig:
+        if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size = {self.conv_kernel_size} is more taps than block_size ="
+                             f" {self.block_size} (a tap never crosses a block start)")
+        return self
+
     @property
     def attention_layers(self) -> list[str]:
         """The attention kind of each layer ("full_attention" or "sliding_attention")."""
@@ -289,7 +305,7 @@ class DrafterConfig(_Section):
     @property
     def block_attention(self) -> SlidingBlockAttention:
         """The in-block rule of this drafter's sliding layers (set, or its architecture's default)."""
-        return self.sliding_block_attention or default_sliding_block_attention("dflash1")
+        return self.sliding_block_attention or default_sliding_block_attention(self.arch)
 
     def device_of(self, replica: int) -> str:
         return self.devices[replica] if self.devices else "cpu"

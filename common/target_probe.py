@@ -22,7 +22,25 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 
 def target_problem(job: JobConfig) -> str | None:
     """The first way `job` does not fit its target ("key: reason"), or None."""
-    return slot_capacity_problem(job) or tensor_parallel_problem(job) or expert_parallel_problem(job)
+    return (slot_capacity_problem(job) or tensor_parallel_problem(job) or expert_parallel_problem(job)
+            or dflash2_group_problem(job))
+
+
+def dflash2_group_problem(job: JobConfig) -> str | None:
+    """A DFlash2 drafter's conv_group_size must divide the target's hidden size (checked when its config is on disk)."""
+    cfg_path = Path(job.target.path) / "config.json"
+    if not any(d.arch == "dflash2" for d in job.drafters) or not cfg_path.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        hidden = int(cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size") or 0)
+    except (ValueError, OSError, AttributeError):
+        return None
+    for i, d in enumerate(job.drafters):
+        if d.arch == "dflash2" and hidden and hidden % d.conv_group_size:
+            return (f"drafters.{i}.conv_group_size: {d.conv_group_size} does not divide the target's hidden_size"
+                    f" {hidden} ({cfg_path}); choose a divisor (DFlash2's default 16)")
+    return None
 
 
 def tensor_parallel_problem(job: JobConfig) -> str | None:

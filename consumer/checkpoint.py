@@ -42,7 +42,7 @@ from common.checkpoint_pointer import BEST, LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
 from consumer.checkpoint_state import checkpoint_state
-from consumer.export.layout import EXPORT_FILES, drafter_shape, trainer_export_config, write_export
+from consumer.export.layout import EXPORT_FILES, drafter_shape, extra_export_files, trainer_export_config, write_export
 from consumer.shape import shape_from_config
 
 STATE_FILE = "trainer_state.pt"
@@ -147,9 +147,10 @@ def _write(root: Path, state: dict, export: dict, keep_last: int) -> Path:
     try:
         write_export(tmp, state["model"], export)
         torch.save(state, tmp / STATE_FILE)
-        for file in (*EXPORT_FILES, STATE_FILE):
+        files = (*EXPORT_FILES, *extra_export_files(export), STATE_FILE)
+        for file in files:
             _fsync_file(tmp / file)
-        write_manifest(tmp, (*EXPORT_FILES, STATE_FILE))
+        write_manifest(tmp, files)
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. on shutdown right after a periodic save)
             stale = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))

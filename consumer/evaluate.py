@@ -19,6 +19,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from common.checkpoint_pointer import read_pointer
+from consumer.dflash2 import DFlash2Drafter, DFlash2Proposer, DFlash2Shape
 from consumer.eval_bench import first_difference
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.sliding_rule import served_rule
@@ -62,13 +63,14 @@ def resolve_export_dir(path: str | Path) -> Path:
 
 def load_drafter(
     ckpt: str | Path, target_path: str | Path, dtype: str = "float32", device: str = "cpu"
-) -> DFlashProposer:
+) -> DFlashProposer | DFlash2Proposer:
     """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head."""
     path = resolve_export_dir(ckpt)
     cfg = json.loads((path / "config.json").read_text())
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
-    if archs != ["DFlashDraftModel"]:
-        raise ValueError(f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel drafters evaluate here")
+    if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
+        raise ValueError(f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel and"
+                         " DFlash2DraftModel drafters evaluate here")
     try:
         dflash = cfg["dflash_config"]
         layer_ids = list(dflash["target_layer_ids"])
@@ -103,8 +105,17 @@ def load_drafter(
             f"drafter {path} (hidden {arch.hidden_size}, vocab {cfg.get('vocab_size')}) does not fit the target"
             f" {target_path} (hidden {parts.hidden_size}, vocab {parts.vocab_size})"
         )
-    model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head)
     state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
+    if archs == ["DFlash2DraftModel"]:  # greedy evaluation: the selector's walk (consumer/dflash2.py)
+        try:
+            shape = DFlash2Shape(block_size, *(int(dflash[k]) for k in (
+                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")))
+        except KeyError as err:
+            raise KeyError(f"{path / 'config.json'}: required field dflash_config.{err.args[0]} is missing") from None
+        model2 = DFlash2Drafter(arch, shape, parts.embed_tokens, parts.lm_head)
+        model2.load_state_dict(state, strict=True)
+        return DFlash2Proposer(model2.to(device), mask_token_id, layer_ids)
+    model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head)
     model.load_state_dict(state, strict=True)
     return DFlashProposer(model.to(device), block_size, mask_token_id, layer_ids)
 

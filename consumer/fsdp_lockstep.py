@@ -40,12 +40,12 @@ class FsdpLockstep:
     @classmethod
     def shard(cls, model: torch.nn.Module, mesh, who: str, *, width: int, block_size: int,
               device: torch.device) -> FsdpLockstep:
-        """FSDP2 over `mesh` on `model` (its `layers` and the root), with identical weights on every replica
+        """FSDP2 over `mesh` on `model` (its `fsdp_units()` and the root), with identical weights on every replica
         (the group broadcasts them first). `width` is a batch's hidden width (fused target layers × H)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
+        for unit in model.fsdp_units():  # decoder layers (DFlash2: and its candidate selector)
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -21,7 +21,8 @@ from consumer.kernels.weighted_ce import weighted_ce_
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int):
+    def forward(ctx, hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int,
+                top_k_out: Tensor | None = None):
         Q = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -34,6 +35,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             for s in range(0, Q, chunk_rows):
                 e = min(s + chunk_rows, Q)
                 logits = h[s:e] @ lm_head.T  # [r, V]: the only logits alive
+                if top_k_out is not None:  # DFlash2's candidates (consumer/dflash2.py), before the kernel overwrites
+                    top_k_out[s:e] = logits.topk(top_k_out.shape[1], dim=-1).indices
                 lse, tgt, mx = weighted_ce_(logits, labels[s:e], weights[s:e], need_grad)
                 w = weights[s:e]
                 loss += torch.where(w != 0, w * (lse - tgt), 0.0).sum()  # rows without loss never add NaN
@@ -49,17 +52,19 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_h * grad_loss).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def chunked_lm_head_loss(
-    hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int
+    hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int,
+    top_k_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """hidden [Q, H], frozen lm_head [V, H], labels [Q], weights [Q] -> (Σ w·CE as a float32 scalar,
-    correct [Q] bool: the argmax is the label). Normalise by Σ w outside (once per optimizer step)."""
+    correct [Q] bool: the argmax is the label). Normalise by Σ w outside (once per optimizer step).
+    top_k_out [Q, k] int64, when given, receives each row's top-k logit indices (no second logits pass)."""
     if lm_head.requires_grad:
         raise ValueError("chunked_lm_head_loss: the lm_head must be frozen (it gets no gradient here)")
-    return _ChunkedLMHeadCE.apply(hidden, lm_head, labels, weights.float(), chunk_rows)
+    return _ChunkedLMHeadCE.apply(hidden, lm_head, labels, weights.float(), chunk_rows, top_k_out)
 
 
 def full_logits_loss(

@@ -106,8 +106,8 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
     batch in sequences of `max_length`, and the parts of it that are state; fake tensors throughout."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from consumer.dflash2 import DFlash2Drafter, make_drafter
     from consumer.loss import chunked_lm_head_loss
-    from consumer.model import DFlashDrafter
     from consumer.objective import attention_masks, build_draft_batch
 
     nseq = math.ceil(tokens / max_length)
@@ -126,7 +126,7 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
                               partial_blocks=cfg.partial_blocks, max_anchors=anchors)
     with FakeTensorMode(allow_non_fake_inputs=True), _kernels_stood_in(cuda):
         embed = torch.empty(vocab, arch.hidden_size, dtype=frozen)
-        model = DFlashDrafter(arch, embed, embed if tied else torch.empty(vocab, arch.hidden_size, dtype=frozen))
+        model = make_drafter(cfg, arch, embed, embed if tied else torch.empty(vocab, arch.hidden_size, dtype=frozen), 0)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
                                        {"params": [p for p in params if p.ndim < 2]}], lr=cfg.lr, fused=True)
@@ -142,6 +142,10 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
                 h = model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
                 loss_sum, _correct = chunked_lm_head_loss(h, model.lm_head, batch.labels, batch.weights,
                                                           cfg.loss_chunk_rows)
+                if isinstance(model, DFlash2Drafter):
+                    # its weights, gradients and moments are planned; the selector loss's activations (one chunk
+                    # at a time, recomputed in backward) are not: MemTracker refuses a module called per chunk
+                    loss_sum = loss_sum + 0.0 * sum(p.sum() for p in model.candidate_selector.parameters())
             loss_sum.backward()
             weight = batch.weights.sum()
             torch._foreach_mul_([p.grad for p in params], 1.0 / weight.clamp_min(1e-12))

@@ -227,7 +227,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.arch = arch
         H = arch.hidden_size
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(self._make_layer(arch) for _ in range(arch.num_layers))
         self.fc = nn.Linear(arch.num_features * H, H, bias=False)  # [H, n·H]
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         self.norm = RMSNorm(H, arch.rms_norm_eps)
@@ -241,6 +241,13 @@ class DFlashDrafter(nn.Module):
             if isinstance(m, nn.Linear):  # Qwen3's initializer_range
                 with torch.no_grad():
                     m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * 0.02)
+
+    def _make_layer(self, arch: DrafterArch) -> nn.Module:
+        return DecoderLayer(arch)  # consumer/dflash2.py builds its own
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards as units of their own (the root holds the rest)."""
+        return list(self.layers)
 
     def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Absolute positions [L] -> cos, sin [L, 1, d] in float32."""
@@ -276,6 +283,11 @@ class DFlashDrafter(nn.Module):
         """One sequence: context_features [S, n·H] of positions 0..S-1, block_ids [B] =
         [last committed token, MASK × (B-1)] at positions S..S+B-1 -> logits [B, V] (slot 0 included;
         argmax of slots 1..B-1 are the draft tokens)."""
+        return self.logits(self.draft_hidden(context_features, block_ids))
+
+    @torch.no_grad()
+    def draft_hidden(self, context_features: Tensor, block_ids: Tensor) -> Tensor:
+        """As `draft`, the final-normed block states [B, H] (DFlash2 walks its selector over them)."""
         S, B = context_features.shape[0], block_ids.shape[0]
         pos = torch.arange(S + B, device=block_ids.device)
         masks: dict[str, Mask] = {"full_attention": None}
@@ -283,4 +295,4 @@ class DFlashDrafter(nn.Module):
             near = (pos[S:, None] - pos[None, :]).abs() < self.arch.sliding_window
             causal = self.arch.sliding_block_attention == "causal"
             masks["sliding_attention"] = near & (pos[S:, None] >= pos[None, :]) if causal else near
-        return self.logits(self(context_features, pos[:S], block_ids, pos[S:], masks))
+        return self(context_features, pos[:S], block_ids, pos[S:], masks)

@@ -22,6 +22,10 @@ SHAPE_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "num_key_value_heads": (("num_key_value_heads",), "the target's num_key_value_heads (target.path)"),
     "head_dim": (("head_dim",), "the target's head_dim (target.path)"),
     "vocab_size": (("vocab_size",), "the target's vocab_size (target.path)"),
+    "architectures": (("architectures",), "drafters.arch"),
+    "selector_rank": (("dflash_config", "selector_rank"), "drafters.selector_rank"),
+    "conv_group_size": (("dflash_config", "conv_group_size"), "drafters.conv_group_size"),
+    "conv_kernel_size": (("dflash_config", "conv_kernel_size"), "drafters.conv_kernel_size"),
     "optimizer": ((), "the optimizer (AdamW)"),
 }
 

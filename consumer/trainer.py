@@ -29,13 +29,14 @@ from common.config import DataConfig, DrafterConfig
 from common.host_memory import keep_freed_memory
 from common.profile import timed
 from consumer.checkpoint_state import cpu_copy
+from consumer.dflash2 import DFlash2Drafter, SelectorMetrics, make_drafter, selector_loss
 from consumer.export.layout import drafter_shape
 from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 from consumer.mask_token import resolve_mask_token_id
-from consumer.model import DFlashDrafter, DrafterArch
+from consumer.model import DrafterArch
 from consumer.objective import anchor_budget, attention_masks, build_draft_batch
 from consumer.sliding_rule import serving_caveats
 from consumer.target_parts import TargetParts
@@ -140,7 +141,7 @@ class Trainer:
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
         for note in serving_caveats(cfg.block_attention, cfg.attention_layers, cfg.sliding_window, cfg.block_size):
             log.warning("drafter %s: %s", cfg.name, note)
-        self.model = DFlashDrafter(self.arch, embed, lm_head, init_seed=self.seed).to(self.device)
+        self.model = make_drafter(cfg, self.arch, embed, lm_head, self.seed).to(self.device)  # drafters.arch
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
                                                   len(set(self.arch.attention_layers))), prof) if self.use_flex else None
@@ -149,6 +150,7 @@ class Trainer:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
         self.metrics = DraftMetrics(cfg.block_size, self.device)
         self.nonfinite = SkipCounters(self.device)  # steps skipped for a non-finite loss or gradient
+        self.selector_metrics = SelectorMetrics(self.device)  # DFlash2 only
         self._nonfinite_logged = 0
         self._pending_loss = torch.zeros((), device=self.device)
         self._pending_weight = torch.zeros((), device=self.device)
@@ -266,9 +268,15 @@ class Trainer:
                                     kernel=self.flex, sliding_block_attention=self.arch.sliding_block_attention)
         with timed(self.prof, "forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
+            dflash2 = isinstance(self.model, DFlash2Drafter)  # the unary top-k from the loss's own logits pass
+            cand = torch.empty(h.shape[0], cfg.selector_top_k, dtype=torch.int64, device=dev) if dflash2 else None
             loss_sum, correct = chunked_lm_head_loss(
-                h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
+                h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows, cand
             )
+            if dflash2:  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
+                sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, batch.weights, cfg.loss_chunk_rows,
+                                                   cand)
+                loss_sum = loss_sum + cfg.selector_alpha * sel_sum
         with timed(self.prof, "backward"):
             (loss_sum * 0.0 if stand_in is not None else loss_sum).backward()  # a stand-in adds zero everywhere
         if stand_in is not None:
@@ -276,6 +284,8 @@ class Trainer:
         self._pending_loss += loss_sum.detach()
         self._pending_weight += batch.weights.sum()
         self.metrics.add(loss_sum, correct, batch.weights)
+        if isinstance(self.model, DFlash2Drafter):
+            self.selector_metrics.add(sel_stats)
         if self.prof:
             self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
 
@@ -341,6 +351,8 @@ class Trainer:
                 f" to seq {counts.last_seq}.{cause}"
             )
         out = self.metrics.read()
+        if isinstance(self.model, DFlash2Drafter):
+            out.update(self.selector_metrics.read())
         out.update(
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=float(self._grad_norm),

@@ -25,7 +25,8 @@ from safetensors import SafetensorError, safe_open
 
 from common.checkpoint_pointer import read_pointer
 from common.config import dflash_layer_ids
-from consumer.export.layout import export_config
+from consumer.dflash2 import DFlash2Drafter
+from consumer.export.layout import trainer_export_config
 from consumer.sliding_rule import SlidingRuleError, served_rule
 
 log = logging.getLogger(__name__)
@@ -209,17 +210,26 @@ def check_tensors(state: dict[str, torch.Tensor], params: dict[str, torch.Tensor
 
 def job_config(trainer) -> dict:
     """The export config.json of the drafter `trainer` builds: what a published one is compared with."""
-    return export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                         mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                         dtype=trainer.cfg.dtype)
+    return trainer_export_config(trainer)
 
 
-def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] = frozenset()) -> Path:
+def grown_parameters(model, config: dict) -> frozenset[str]:
+    """The parameters a DFlash2 drafter may keep at their identity initialisation when the directory is a
+    DFlash1 drafter's (consumer/dflash2.py); nothing otherwise."""
+    if isinstance(model, DFlash2Drafter) and (config.get("architectures") or DFLASH1) == DFLASH1:
+        return frozenset(model.identity_init_params(model.arch.num_layers))
+    return frozenset()
+
+
+def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] | None = None) -> Path:
     """Copy the weights of the drafter directory `path` into trainer.model (before FSDP shards it), after
     checking its config and tensors against the job's drafter; returns the directory read. The optimizer is
-    the trainer's fresh one (no state yet), at step 0."""
+    the trainer's fresh one (no state yet), at step 0. `may_be_missing`: parameters the directory may lack
+    (None: `grown_parameters`, a DFlash1 directory into a DFlash2 drafter)."""
     root = resolve_dir(path)
     config = read_config(root)
+    if may_be_missing is None:
+        may_be_missing = grown_parameters(trainer.model, config)
     check_config(config, job_config(trainer), str(root / CONFIG), trainer.cfg.name, bool(may_be_missing))
     params = dict(trainer.model.named_parameters())
     named = check_tensors(read_weights(root), params, frozenset(may_be_missing), str(root), trainer.cfg.name)
@@ -232,7 +242,7 @@ def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] = froze
     return root
 
 
-def warm_start_unless_resuming(trainer, ckpt_root: str | Path, may_be_missing: frozenset[str] = frozenset()) -> None:
+def warm_start_unless_resuming(trainer, ckpt_root: str | Path) -> None:
     """The consumer's entry: warm-start from the drafter's init_from, unless the job already has a checkpoint
     of this drafter in ckpt_root (a restart resumes that; init_from only ever seeds step 0)."""
     path = trainer.cfg.init_from
@@ -242,4 +252,4 @@ def warm_start_unless_resuming(trainer, ckpt_root: str | Path, may_be_missing: f
         log.info("drafter %s: init_from %s is not read: the job's own checkpoint in %s is resumed instead",
                  trainer.cfg.name, path, ckpt_root)
         return
-    warm_start(trainer, path, may_be_missing)
+    warm_start(trainer, path)

@@ -221,6 +221,15 @@ class DFlashDraftModel(PreTrainedModel):
             x = layer(x, ctx, cos, sin, key_pos, attention_mask, cache)
         return self.norm(x)
 
+    def propose(self, hidden, anchor: int, head, temperature: float):
+        """hidden [B-1, H] of the proposal slots -> (drafts [B-1], q [B-1, V] they were sampled from; None at
+        temperature 0). DFlash1: each slot's argmax (or sample) of the target head (dflash2.py walks instead)."""
+        draft_logits = hidden.to(head.dtype) @ head.T  # [B-1, V]
+        if temperature == 0.0:
+            return draft_logits.argmax(-1), None
+        q = _probs(draft_logits, temperature)
+        return torch.multinomial(q, 1)[:, 0], q
+
     def _features(self, hidden_states, dtype):
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1).to(dtype)
 
@@ -260,12 +269,7 @@ class DFlashDraftModel(PreTrainedModel):
             block = torch.tensor([tokens[-1]] + [self.mask_token_id] * (B - 1), device=input_ids.device)
             pos = torch.arange(p - ctx.shape[1], p + B, device=input_ids.device)[None]
             h = self(F.embedding(block, embed)[None].to(dtype), ctx, pos, past_key_values=dcache, use_cache=True)
-            draft_logits = h[0, 1:].to(head.dtype) @ head.T  # [B-1, V]
-            if temperature == 0.0:
-                drafts = draft_logits.argmax(-1)
-            else:
-                q = _probs(draft_logits, temperature)
-                drafts = torch.multinomial(q, 1)[:, 0]
+            drafts, q = self.propose(h[0, 1:], tokens[-1], head, temperature)
             verify = torch.cat([block[:1], drafts])[None]
             snapshot = None if tcache.is_croppable else copy.deepcopy(tcache)
             out = target(input_ids=verify, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
+from consumer.dflash2 import DFlash2Drafter
 from consumer.mask_token import mask_token_text
 from consumer.model import DrafterArch
 from consumer.shape import shape_from_config
@@ -84,10 +86,11 @@ def export_config(
 
 
 def trainer_export_config(trainer) -> dict:
-    """export_config of a Trainer's drafter (its arch, target parts, block size, mask token, layers, dtype)."""
-    return export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                         mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                         dtype=trainer.cfg.dtype)
+    """export_config of a Trainer's drafter (its arch, target parts, block size, mask token, layers, dtype),
+    in the DFlash2 layout for a DFlash2 drafter."""
+    return export_config_of(export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
+                                          mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
+                                          dtype=trainer.cfg.dtype), trainer.model)
 
 
 def target_special_tokens(path: Path) -> dict:
@@ -112,9 +115,40 @@ def write_export(out_dir: Path, model_state: dict[str, torch.Tensor], config: di
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(EXPORT_MODULE, out_dir / "dflash.py")
+    for name, source in extra_export_files(config).items():  # DFlash2: dflash2.py, which imports dflash.py
+        shutil.copyfile(source, out_dir / name)
 
 
 def drafter_shape(trainer) -> dict:
     """The shape keys of `trainer` (consumer/shape.py), as a checkpoint records them in trainer_state.pt:
     those its export config carries, and the optimizer's class."""
     return {**shape_from_config(trainer_export_config(trainer)), "optimizer": type(trainer.optimizer).__name__}
+
+
+# ------------------------------------------------------------------------------------------ DFlash2
+# The layout SGLang and vLLM load (recipes.md §5): vLLM vllm/model_executor/models/qwen3_dflash2.py indexes
+# dflash_config["conv_kernel_size"], ["conv_group_size"], ["selector_rank"], ["selector_top_k"] directly and
+# allocates `candidate_selector.{predecessor,successor}_codebook` as bare [V, r] parameters and
+# `layers.{i}.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}`; "DFlashDraftModel" would silently
+# serve DFlash1. consumer/export/dflash2.py (shipped with dflash.py, which it imports) serves it in transformers.
+DFLASH2_MODELING_FILE = Path(__file__).parent / "dflash2.py"
+
+
+def export_config_of(config: dict, model: nn.Module) -> dict:
+    """export_config's dict, made the DFlash2 layout when `model` is a DFlash2Drafter."""
+    if not isinstance(model, DFlash2Drafter):
+        return config
+    s = model.shape
+    return {
+        **config,
+        "architectures": ["DFlash2DraftModel"],
+        "auto_map": {"AutoModel": "dflash2.DFlash2DraftModel"},
+        "dflash_config": {**config["dflash_config"], "block_size": s.block_size,
+                          "conv_kernel_size": s.conv_kernel_size, "conv_group_size": s.conv_group_size,
+                          "selector_rank": s.selector_rank, "selector_top_k": s.selector_top_k},
+    }
+
+
+def extra_export_files(config: dict) -> dict[str, Path]:
+    """Modeling files an export of `config` ships besides dflash.py: {name in the export: source}."""
+    return {"dflash2.py": DFLASH2_MODELING_FILE} if config.get("architectures") == ["DFlash2DraftModel"] else {}
