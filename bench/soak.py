@@ -88,8 +88,9 @@ FLOOD_S = 3.0
 
 class Chaos:
     def __init__(self, sup: Supervisor, watch: JobWatch, rng: random.Random, kinds: tuple[str, ...],
-                 stop_s: float, log):
+                 stop_s: float, log, pause_s: float = 2.0):
         self.sup, self.watch, self.rng, self.kinds, self.stop_s, self.log = sup, watch, rng, kinds, stop_s, log
+        self.pause_s = pause_s  # the mean of the calm before each fault (every fault waits for its own precondition)
         self.faults: dict[str, int] = defaultdict(int)
         self.recoveries: dict[str, int] = defaultdict(int)
         self.recovery_s: dict[str, list[float]] = defaultdict(list)
@@ -107,7 +108,7 @@ class Chaos:
                 order = list(self.kinds)
                 self.rng.shuffle(order)
             kind = order.pop()
-            stop.wait(self.rng.uniform(1.0, 3.0))
+            stop.wait(self.rng.uniform(0.5 * self.pause_s, 1.5 * self.pause_s))
             self.faults[kind] += 1
             self.log(f"fault {sum(self.faults.values())}: {kind}")
             try:
@@ -428,7 +429,8 @@ def leaked(run_dir: Path, job_name: str) -> tuple[list[str], list[str]]:
     return shm, socks
 
 
-def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int, keep: bool, log) -> dict:
+def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int, keep: bool, log,
+             pause_s: float = 2.0) -> dict:
     rng = random.Random(seed)
     root = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     job_path = build_job(root, seed)
@@ -441,7 +443,8 @@ def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int
     sup = Supervisor(job, job_path, log)
     watch = JobWatch(job, sup)
     stop = threading.Event()
-    chaos = Chaos(sup, watch, rng, kinds, stop_s=2 * job.transport.heartbeat_timeout_s + 0.5, log=log)
+    chaos = Chaos(sup, watch, rng, kinds, stop_s=2 * job.transport.heartbeat_timeout_s + 0.5, log=log,
+                  pause_s=pause_s)
     started = time.monotonic()
     result: dict = {"seed": seed, "enospc_method": "tmpfs (mount -t tmpfs, real ENOSPC)" if enospc else None}
     try:
@@ -503,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
     ap.add_argument("--min-each", type=int, default=1, help="inject every kind at least this often")
+    ap.add_argument("--pause", type=float, default=2.0,
+                    help="mean seconds of calm before each fault, drawn from [0.5, 1.5] x this (default %(default)s)")
     ap.add_argument("--keep", action="store_true", help="keep the run folder (it is kept anyway on failure)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
@@ -517,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[soak {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    result = run_soak(args.duration, args.seed, kinds, args.min_each, args.keep, log)
+    if args.pause < 0:
+        ap.error(f"--pause must be >= 0 seconds, not {args.pause}")
+    result = run_soak(args.duration, args.seed, kinds, args.min_each, args.keep, log, args.pause)
     if args.json:
         print(json.dumps(result))
     else:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,29 +40,51 @@ def plan_file(job: Path, procs: list[tuple[str, int, str]]) -> Path:
     return path
 
 
-def test_processes_that_exit_at_the_same_instant_are_all_collected_every_time(job):
-    """Found from outside: the bookkeeping around `wait -n` dropped processes that exited together, so
-    launch.sh waited forever on telemetry (one 'finished' line missing). 4 stand-ins wait for one file and
-    exit at once; telemetry's stand-in runs until stopped. 50 rounds, alternating success and failure."""
+@pytest.fixture
+def other_job(job, tmp_path):
+    """A second stand-in job (its own name, run folder and lock), so two launches can run side by side."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dfl-", dir="/tmp"))
+    path = tmp_path / "other" / "job.toml"
+    path.parent.mkdir()
+    first = run_dir_of(job)
+    path.write_text(job.read_text().replace(str(first), str(run_dir)).replace(first.name[4:], run_dir.name[4:]))
+    yield path
+    subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+
+
+def same_instant_round(job: Path, rnd: int) -> None:
+    """One round: 4 stand-ins wait for one file and exit at once (round 2 of every 2 fails with status 3);
+    telemetry's stand-in runs until stopped. launch.sh must return with the right status, nothing left."""
+    fail = rnd % 2 == 1
     go = job.parent / "go"
-    wait_go = f"while [ ! -e {go} ]; do sleep 0.01; done"
-    for rnd in range(50):
-        fail = rnd % 2 == 1
-        go.unlink(missing_ok=True)
-        plan = plan_file(job, [("telemetry", 0, "exec sleep 600")] + [
-            (f"c{i}", 1, f"{wait_go}; exit {3 if fail and i == 2 else 0}") for i in range(4)])
-        proc = launch(job, "--grace", "20", plan=plan)
-        deadline = time.monotonic() + 60
-        logs = run_dir_of(job) / "logs"
-        while not all((logs / f"c{i}.log").exists() for i in range(4)):
-            assert time.monotonic() < deadline and proc.poll() is None, "the stand-ins did not start"
-            time.sleep(0.02)
-        go.touch()
-        out = finish(proc, 60)
-        assert proc.returncode == (3 if fail else 0), f"round {rnd}:\n{out}"
-        if not fail:
-            assert out.count("finished") == 4, f"round {rnd}:\n{out}"
-        assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # none left
+    # TERM (the teardown of a failed round) ends a stand-in only after its `sleep` did: none outlives launch.sh
+    wait_go = f'trap "exit 0" TERM; while [ ! -e {go} ]; do sleep 0.01; done'
+    go.unlink(missing_ok=True)
+    plan = plan_file(job, [("telemetry", 0, "exec sleep 600")] + [
+        (f"c{i}", 1, f"{wait_go}; exit {3 if fail and i == 2 else 0}") for i in range(4)])
+    proc = launch(job, "--grace", "20", plan=plan)
+    deadline = time.monotonic() + 60
+    logs = run_dir_of(job) / "logs"
+    while not all((logs / f"c{i}.log").exists() for i in range(4)):
+        assert time.monotonic() < deadline and proc.poll() is None, f"round {rnd}: the stand-ins did not start"
+        time.sleep(0.02)
+    go.touch()
+    out = finish(proc, 60)
+    assert proc.returncode == (3 if fail else 0), f"round {rnd}:\n{out}"
+    if not fail:
+        assert out.count("finished") == 4, f"round {rnd}:\n{out}"
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # none left
+
+
+def test_processes_that_exit_at_the_same_instant_are_all_collected_every_time(job, other_job):
+    """Found from outside: the bookkeeping around `wait -n` dropped processes that exited together, so
+    launch.sh waited forever on telemetry (one 'finished' line missing). 50 rounds, alternating success and
+    failure; two jobs take 25 each side by side (a launch.sh's start-up is one Python process: CI time)."""
+    with ThreadPoolExecutor(2) as lanes:
+        runs = [lanes.submit(lambda j, rounds: [same_instant_round(j, r) for r in rounds], j, range(k, k + 25))
+                for j, k in ((job, 0), (other_job, 25))]
+        rounds = [len(run.result(timeout=1500)) for run in runs]  # an assertion of a round is raised here
+    assert rounds == [25, 25]
 
 
 def test_a_second_launch_is_refused_at_once_naming_the_holder_and_the_first_runs_on(job):
