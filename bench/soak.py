@@ -69,7 +69,7 @@ from bench.soak_procs import ROOT, JobWatch, Supervisor, build_job
 from common.accounting_check import check_run
 from common.checkpoint_pointer import read_pointer
 from common.config import load_job
-from common.ring import RING_FILE_PREFIX
+from common.ring_file import RING_FILE_PREFIX
 from telemetry.aggregate import MAX_SOURCES
 
 KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bench import harness
 from common.config import load_job
-from common.ring import ring_path
+from common.ring_file import ring_path
 
 TOKENS = 2048  # per batch
 FEATURES = 128  # n·H of the simulated target (float32): 1 MiB of features per batch

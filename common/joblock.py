@@ -197,7 +197,7 @@ def enter(run_dir: str | Path, name: str, node: int = 0) -> JobLock:
 
 def main(argv: list[str] | None = None) -> int:
     from common.config import ConfigError, load_job
-    from common.ring import ring_path
+    from common.ring_file import ring_path
 
     ap = argparse.ArgumentParser(prog="python -m common.joblock", description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["info", "holders", "reclaim"])

@@ -12,7 +12,6 @@ also carries, so a consumer proves it opened the right memory without spending s
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import struct
 from dataclasses import dataclass
@@ -23,18 +22,18 @@ import torch
 from common import ring_cuda
 from common.packed_batch import SEQ_TAG, SLOT_ALIGN, aligned
 from common.ring_error import RingError
+from common.ring_file import ring_path
 
 HEADER_BYTES = 4096  # one page before slot 0: keeps slot 0 page aligned
 _HEADER = struct.Struct("<8sIIQQQ16s")  # magic, version, num_slots, slot_bytes, total_bytes, pid, canary
 _MAGIC = b"DFRING01"
 _VERSION = 1
-RING_FILE_PREFIX = "dflash-ring-"  # /dev/shm/{prefix}{ring name}: the one place it is spelt
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (*_DTYPE_NAMES, "bool")}
 _MAX_DIMS = 8
 _UNSEALED = object()  # a CUDA slot written since its last write_event
 __all__ = ["DTYPES", "HEADER_BYTES", "SEQ_TAG", "RingError", "SlotRing", "TensorSpec", "layout_from_wire",
-           "layout_to_wire", "plan_layout", "ring_path"]
+           "layout_to_wire", "plan_layout"]
 
 
 def _mib(n: int) -> str:
@@ -121,13 +120,6 @@ def layout_from_wire(obj: object) -> list[TensorSpec]:
     if not isinstance(obj, list | tuple) or len(obj) > 64:
         raise RingError(f"layout must be a list of at most 64 entries, got {type(obj).__name__}")
     return [TensorSpec.from_wire(entry) for entry in obj]
-
-
-def ring_path(shm_dir: str | os.PathLike, name: str) -> Path:
-    """The CPU ring's file: derived from the job's name so a restarted producer finds a stale one."""
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", name):
-        raise RingError(f"ring name {name!r} must be 1-100 characters of [A-Za-z0-9_.-]")
-    return Path(shm_dir) / f"{RING_FILE_PREFIX}{name}"
 
 
 class SlotRing:

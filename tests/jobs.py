@@ -13,7 +13,7 @@ from pathlib import Path
 from bench import harness
 from bench.harness import ROOT
 from common.config import load_job
-from common.ring import ring_path
+from common.ring_file import ring_path
 from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
 
 _ASSETS: dict[str, Path] = {}

@@ -117,3 +117,19 @@ def test_the_schema_does_not_import_transformers():
             " assert not loaded, loaded")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_launch_sh_job_info_imports_no_torch(tmp_path):
+    """launch.sh runs `python -m common.joblock info` on every start: with torch imported it cost ~2.7 s of CPU
+    a start (~90 starts in this suite); the ring file's name comes from common/ring_file.py, torch-free."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nname = "j"\nrun_dir = "{tmp_path}/run"\n[target]\npath = "t"\n[data]\npath = "d"\n'
+                   '[transport]\nkind = "cpu"\n[[drafters]]\nname = "d0"\n')
+    code = ("import sys; sys.argv = ['joblock', 'info', sys.argv[1]];"
+            " import common.joblock as j; rc = j.main(sys.argv[1:]);"
+            " loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'));"
+            " assert not loaded, loaded[:5]; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, str(job)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "dflash-ring-j" in run.stdout

@@ -22,8 +22,8 @@ from common.ring import (
     layout_from_wire,
     layout_to_wire,
     plan_layout,
-    ring_path,
 )
+from common.ring_file import ring_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHM = "/dev/shm"
