@@ -189,3 +189,34 @@ def test_a_dflash1_directory_fits_a_drafter_that_grows_from_it(source):
         check_config(config, grown, "c.json", "d0")
     with pytest.raises(WarmStartError, match=r"c.json: block_size = 8, but drafter d0 has block_size = 4"):
         check_config({**config, "block_size": 8}, grown, "c.json", "d0", grows_from_dflash1=True)
+
+
+def test_a_dflash1_directory_warm_starts_a_dflash2_drafter_at_its_logits_and_serves_losslessly(source, tmp_path):
+    """init_from of a DFlash1 export into `arch = "dflash2"`: the convolutions and the selector keep their
+    identity init, so the unary logits are the DFlash1 drafter's exactly; its export reloads through
+    AutoModel and spec_generate equals the target's greedy output."""
+    import transformers
+
+    from consumer.checkpoint import save_checkpoint
+
+    parts, src, export, data = source
+    job = fresh(parts, arch="dflash2", selector_rank=8, selector_top_k=4, dtype="float32")
+    assert not torch.equal(logits(job, data), logits(src, data))
+    warm_start(job, export)
+    assert torch.equal(logits(job, data), logits(src, data))
+    # a DFlash2 directory must carry every DFlash2 tensor: one without its convolutions is refused
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    state = {k: v for k, v in job.model.state_dict().items() if "_conv." not in k}
+    write_export(partial, state, {**_config(job, "float32"), "architectures": ["DFlash2DraftModel"]})
+    with pytest.raises(WarmStartError, match="attention_conv"):
+        warm_start(fresh(parts, arch="dflash2", selector_rank=8, selector_top_k=4), partial)
+    ckpt = save_checkpoint(tmp_path / "ckpts", job)
+    draft = transformers.AutoModel.from_pretrained(str(ckpt), trust_remote_code=True, local_files_only=True,
+                                                   dtype=torch.float32)
+    target = transformers.AutoModelForCausalLM.from_pretrained(str(parts.path), dtype=torch.float32)
+    prompt = torch.tensor([5, 40, 90, 200])
+    want = target.generate(prompt[None], max_new_tokens=24, do_sample=False, eos_token_id=3, pad_token_id=0)
+    out = draft.spec_generate(input_ids=prompt[None], max_new_tokens=24, temperature=0.0, target=target,
+                              stop_token_ids=[3])
+    assert out[0].tolist() == want[0].tolist()
