@@ -2,7 +2,8 @@
 
 One call per packed batch (hidden [T, n·H], input_ids [T], loss_mask [T], cu_seqlens [nseq+1]).
 Gradients accumulate until `tokens_per_step` tokens were seen (0: every batch is a step); the step
-normalises by Σw over all its batches (dflash.md §2: Σ w·CE / Σ w), clips, and runs fused AdamW.
+divides by the loss's normaliser summed over all its batches and replicas (consumer/loss.py: the valid
+anchors under D-PACE, Σw under the decayed CE), clips, and steps the optimizer (consumer/optim.py).
 
 Nothing here synchronises with the device except on log steps: a non-finite loss or gradient is
 detected on the device and the fused AdamW skips its update through `found_inf` (the GradScaler
@@ -26,10 +27,11 @@ from common.host_memory import keep_freed_memory
 from consumer.distributed import GroupError
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
-from consumer.loss import DraftMetrics, chunked_lm_head_loss
+from consumer.loss import DraftMetrics, chunked_lm_head_loss, slot_loss
 from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.objective import anchor_budget, attention_masks, build_draft_batch
+from consumer.optim import build_optimizer, check_optimizer_state
 from consumer.target_parts import TargetParts
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class Trainer:
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
                                                   len(set(self.arch.attention_layers))), prof) if self.use_flex else None
+        self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha)
         self._build_optimizer()
         self.mesh = None  # FSDP2's device mesh once `shard` ran: parameters are DTensor shards
         self._deferred: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # FSDP: batches of the open step
@@ -127,20 +130,10 @@ class Trainer:
     def _build_optimizer(self) -> None:
         cfg = self.cfg
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in self.params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0},  # norm scales
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            functools.partial(
-                lr_factor,
-                total_steps=cfg.total_steps,
-                warmup_frac=cfg.warmup_frac,
-                min_lr_ratio=cfg.min_lr_ratio,
-            ),
+        schedule = functools.partial(
+            lr_factor, total_steps=cfg.total_steps, warmup_frac=cfg.warmup_frac, min_lr_ratio=cfg.min_lr_ratio
         )
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model.named_parameters(), schedule)
 
     # ------------------------------------------------------------------------------------------ FSDP2
     def shard(self, mesh) -> None:
@@ -319,16 +312,18 @@ class Trainer:
                                     kernel=self.flex)
         with self._timer("forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
+            weights = self.slot_loss.base_weights(batch.weights)
             loss_sum, correct = chunked_lm_head_loss(
-                h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
+                h, self.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, self.slot_loss
             )
         with self._timer("backward"):
             (loss_sum * 0.0 if stand_in else loss_sum).backward()  # a stand-in adds zero to every gradient
         if stand_in:
             return
+        normaliser = self.slot_loss.normaliser(weights)  # summed over the step's rounds and replicas
         self._pending_loss += loss_sum.detach()
-        self._pending_weight += batch.weights.sum()
-        self.metrics.add(loss_sum, correct, batch.weights)
+        self._pending_weight += normaliser
+        self.metrics.add(loss_sum, correct, weights, normaliser)
         if self.prof:
             self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
 
@@ -346,7 +341,7 @@ class Trainer:
         return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
     def _optimizer_step(self, seq: int) -> None:
-        inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / Σ w over the whole step
+        inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / the step's normaliser (Σw, anchors)
         grads = [p.grad for p in self.params]
         torch._foreach_mul_(grads, inv_weight)
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
@@ -467,6 +462,7 @@ class Trainer:
                 f"drafter {self.cfg.name}: the weights loaded from {source} are non-finite"
                 f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); resume from an earlier checkpoint"
             )
+        check_optimizer_state(self.cfg, state["optimizer"], source)
         if self.mesh is not None:
             self._load_sharded(state["model"], state["optimizer"])
         else:
