@@ -180,12 +180,17 @@ def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int) -> int:
     return sum(len(plan.epoch_batches(e)) for e in range(size.epochs))
 
 
-def job_toml(run_dir: Path, size: DemoSize, report: dict, seed: int = 0) -> str:
-    """The demo job: both drafters see every batch; the lr schedule spans exactly the planned batches."""
+DEMO_DRAFTERS = (("d_b8", 8, {}), ("d_b16", 16, {}))
+
+
+def job_toml(run_dir: Path, size: DemoSize, report: dict, seed: int = 0,
+             drafters_spec: tuple[tuple[str, int, dict], ...] = DEMO_DRAFTERS) -> str:
+    """The demo job: every drafter sees every batch; the lr schedule spans exactly the planned batches.
+    drafters_spec: (name, block size, extra drafter keys) per drafter (bench/recipe_ab.py adds variants)."""
     assets = run_dir / "assets"
     batches = report["train_batches"]
     drafters = ""
-    for name, block in (("d_b8", 8), ("d_b16", 16)):
+    for name, block, extra in drafters_spec:
         drafters += f"""
 [[drafters]]
 name = "{name}"
@@ -199,7 +204,7 @@ min_lr_ratio = 0.1
 total_steps = {batches}
 checkpoint_every = {max(1, batches // 4)}
 log_every = 10
-"""
+""" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in extra.items())  # JSON scalars are TOML
     return f"""# The embedded demo job, written by `python -m demo prepare` (CPU, float32).
 [job]
 name = "demo"
