@@ -16,8 +16,10 @@ import pytest
 import torch
 from target_zoo import build_target, layer_outputs, load_model
 from test_drafter_common import LAYER_IDS, distinct_seqs, drafter_cfg, packed, target_features, tiny_target
+from test_drafter_loss import case, kernel_path, reference  # noqa: F401 (kernel_path: a fixture)
 
 from common.config import DrafterConfig, dflash_layer_ids
+from consumer.kernels import weighted_ce
 from consumer.loss import (
     DecayLoss,
     DPaceLoss,
@@ -230,3 +232,24 @@ def test_dpace_trainer_on_zoo_targets_matches_the_full_logits_reference(arch, tm
         torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7)
     losses = [trainer.train_batch(feats, ids, mask, cu, seq=i)["loss"] for i in range(1, 4)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_kernel_reweights_between_its_forward_and_its_gradient():
+    """weighted_ce_ with `reweight`: the weights come from the rows' CE after the forward pass, are written
+    into `weights`, and the in-place gradient uses them (both the Triton kernels and the torch fallback)."""
+    logits, labels, base = case()
+    ce, _, _ = reference(logits, labels, base)
+
+    def reweight(row_ce, w):
+        return torch.exp(-row_ce) * w  # any function of the CE
+
+    want_w = torch.exp(-ce) * base
+    _, _, grad = reference(logits, labels, want_w)
+    buf, w = logits.clone(), base.clone()
+    lse, tgt, _ = weighted_ce.weighted_ce_(buf, labels, w, reweight=reweight)
+    torch.testing.assert_close(lse - tgt, ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(buf, grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="float32"):
+        weighted_ce.weighted_ce_(logits.clone(), labels, base.double(), reweight=reweight)
