@@ -223,7 +223,7 @@ class DrafterConfig(_Section):
     # an anchor needs supervised tokens at p and p+1, its block may run past the sequence end (SpecForge);
     # false: the old rule, a whole block inside the sequence (p + B <= S)
     partial_blocks: bool = True
-    gamma: Annotated[float, Field(gt=0)] | None = None  # loss decay; default from block_size
+    gamma: Annotated[float, Field(gt=0)] | None = None  # loss = "decay" only: its decay; default from block_size
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     loss_chunk_rows: Annotated[int, Field(ge=16)] = 2048
     dtype: DType = "bfloat16"  # autocast dtype on GPU; CPU trains in float32
@@ -257,6 +257,32 @@ class DrafterConfig(_Section):
     selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
     # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
     selector_alpha: Annotated[float, Field(ge=0)] = 1.0
+    # the training loss (README "Recipes"): "dpace" (D-PACE, arXiv 2605.18810: per-block weights from the
+    # drafter's own confidence, w_k = Σ_{j>=k} m_j·Π_{i<=j} ((1-α)·q_i + α), no gradient; the step divides
+    # Σ w·CE by the number of valid anchors (anchors with a supervised slot) of the whole optimizer step,
+    # over every replica and accumulation round: gamma is ignored) or "decay" (the DFlash paper's
+    # exp(-(k-1)/γ) weights, normalised by Σw over the step)
+    loss: Literal["dpace", "decay"] = "dpace"
+    dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5  # D-PACE smoothing α in (0, 1] (ModelOpt: 0.3-0.7)
+    # "muon": torch.optim.Muon for the hidden 2-D matrices, AdamW (lr, betas, weight_decay) for the rest
+    # (consumer/optim.py); "adamw": AdamW for everything
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: Annotated[float, Field(gt=0)] | None = None  # default: lr (match_rms_adamw makes AdamW's lr carry over)
+    muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    muon_weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+
+    @model_validator(mode="after")
+    def _muon_is_not_sharded(self) -> DrafterConfig:
+        if self.optimizer == "muon" and self.distributed == "fsdp":
+            raise ValueError(
+                "optimizer = 'muon' cannot train with distributed = 'fsdp' yet: torch's Muon on FSDP2 row shards"
+                " does compute the whole matrix's Newton-Schulz (DTensor gathers it), but the FSDP checkpoint"
+                " gather and sharded resume (consumer/fsdp_lockstep.py) handle AdamW's state only, so such a run could"
+                " not resume; use distributed = 'ddp' or optimizer = 'adamw'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _devices_match_replicas(self) -> DrafterConfig:

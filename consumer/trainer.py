@@ -2,7 +2,8 @@
 
 One call per packed batch (hidden [T, n·H], input_ids [T], loss_mask [T], cu_seqlens [nseq+1]).
 Gradients accumulate until `tokens_per_step` tokens were seen (0: every batch is a step); the step
-normalises by Σw over all its batches (dflash.md §2: Σ w·CE / Σ w), clips, and runs fused AdamW.
+divides by the loss's normaliser summed over all its batches and replicas (consumer/loss.py: the valid
+anchors under D-PACE, Σw under the decayed CE), clips, and steps the optimizer (consumer/optim.py).
 
 Nothing here synchronises with the device except on log steps: a non-finite loss or gradient is
 detected on the device and the fused AdamW skips its update through `found_inf` (the GradScaler
@@ -34,10 +35,11 @@ from consumer.export.layout import drafter_shape
 from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
 from consumer.kernels.flex import CompiledFlex, FlexPlan
-from consumer.loss import DraftMetrics, chunked_lm_head_loss
+from consumer.loss import DraftMetrics, chunked_lm_head_loss, slot_loss
 from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DrafterArch
 from consumer.objective import anchor_budget, attention_masks, build_draft_batch
+from consumer.optim import build_optimizer, check_optimizer_state
 from consumer.sliding_rule import serving_caveats
 from consumer.target_parts import TargetParts
 
@@ -145,6 +147,7 @@ class Trainer:
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
                                                   len(set(self.arch.attention_layers))), prof) if self.use_flex else None
+        self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha)
         self._build_optimizer()
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
@@ -166,20 +169,10 @@ class Trainer:
     def _build_optimizer(self) -> None:
         cfg = self.cfg
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in self.params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0},  # norm scales
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            functools.partial(
-                lr_factor,
-                total_steps=cfg.total_steps,
-                warmup_frac=cfg.warmup_frac,
-                min_lr_ratio=cfg.min_lr_ratio,
-            ),
+        schedule = functools.partial(
+            lr_factor, total_steps=cfg.total_steps, warmup_frac=cfg.warmup_frac, min_lr_ratio=cfg.min_lr_ratio
         )
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model.named_parameters(), schedule)
 
     @property
     def mesh(self):
@@ -270,20 +263,23 @@ class Trainer:
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             dflash2 = isinstance(self.model, DFlash2Drafter)  # the unary top-k from the loss's own logits pass
             cand = torch.empty(h.shape[0], cfg.selector_top_k, dtype=torch.int64, device=dev) if dflash2 else None
+            weights = self.slot_loss.base_weights(batch.weights)
+            used = torch.empty(weights.shape, dtype=torch.float32, device=dev) if dflash2 else None
             loss_sum, correct = chunked_lm_head_loss(
-                h, self.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows, cand
+                h, self.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, self.slot_loss, cand, used
             )
             if dflash2:  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
-                sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, batch.weights, cfg.loss_chunk_rows,
-                                                   cand)
+                # the selector's slots weighed as the unary loss weighed them (D-PACE: its weights of this batch)
+                sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, used, cfg.loss_chunk_rows, cand)
                 loss_sum = loss_sum + cfg.selector_alpha * sel_sum
         with timed(self.prof, "backward"):
             (loss_sum * 0.0 if stand_in is not None else loss_sum).backward()  # a stand-in adds zero everywhere
         if stand_in is not None:
             return
+        normaliser = self.slot_loss.normaliser(weights)  # summed over the step's rounds and replicas
         self._pending_loss += loss_sum.detach()
-        self._pending_weight += batch.weights.sum()
-        self.metrics.add(loss_sum, correct, batch.weights)
+        self._pending_weight += normaliser
+        self.metrics.add(loss_sum, correct, weights, normaliser)
         if isinstance(self.model, DFlash2Drafter):
             self.selector_metrics.add(sel_stats)
         if self.prof:
@@ -303,7 +299,7 @@ class Trainer:
         return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
     def _optimizer_step(self, seq: int) -> None:
-        inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / Σ w over the whole step
+        inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / the step's normaliser (Σw, anchors)
         grads = [p.grad for p in self.params]
         torch._foreach_mul_(grads, inv_weight)
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
@@ -426,6 +422,7 @@ class Trainer:
                 f"drafter {self.cfg.name}: the weights loaded from {source} are non-finite"
                 f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); resume from an earlier checkpoint"
             )
+        check_optimizer_state(self.cfg, state["optimizer"], source)
         if self.fsdp is not None:
             self.fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:

@@ -87,7 +87,7 @@ class Evaluator:
                                       generator=generator, partial_blocks=cfg.partial_blocks,
                                       max_anchors=tr.max_anchors)
             masks = attention_masks(batch, tr.arch.attention_layers, cfg.sliding_window, flex=tr.use_flex,
-                                    kernel=tr.flex)
+                                    kernel=tr.flex, sliding_block_attention=tr.arch.sliding_block_attention)
             with autocast:
                 out = tr.model(h, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
                 loss_sum, correct = chunked_lm_head_loss(out, tr.model.lm_head, batch.labels, batch.weights,

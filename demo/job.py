@@ -183,33 +183,39 @@ EVAL_EVERY = 60
 VALIDATION_MAX_RECORDS = 64
 
 
-def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int) -> int:
-    """How many batches the producer's plan makes of the drafters' data (the held-out split left out): the
-    lr schedule's length."""
+def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int, validation: float | None = VALIDATION) -> int:
+    """How many batches the producer's plan makes of the drafters' data (the held-out split `validation`
+    left out): the lr schedule's length."""
     encoder = ChatEncoder(tokenizer, size.max_length)
     with path.open() as f:
         lengths = [len(encoder.encode(json.loads(line)["messages"])[0]) for line in f]
     plan = BatchPlan(lengths, seed, size.epochs, size.tokens_per_batch, LENGTH_GROUP_WINDOW,
-                     exclude=excluded_ids(VALIDATION, len(lengths), seed))
+                     exclude=excluded_ids(validation, len(lengths), seed))
     return sum(len(plan.epoch_batches(e)) for e in range(size.epochs))
 
 
-def job_doc(run_dir: Path, size: DemoSize, report: dict, seed: int = 0) -> dict:
-    """The demo job: both drafters see every batch; the lr schedule spans exactly the planned batches."""
+DEMO_DRAFTERS = (("d_b8", 8, {}), ("d_b16", 16, {}))
+
+
+def job_doc(run_dir: Path, size: DemoSize, report: dict, seed: int = 0,
+            drafters_spec: tuple[tuple[str, int, dict], ...] = DEMO_DRAFTERS) -> dict:
+    """The demo job: every drafter sees every batch; the lr schedule spans exactly the planned batches.
+    drafters_spec: (name, block size, extra drafter keys) per drafter (bench/recipe_ab.py adds variants)."""
     assets = run_dir / "assets"
     batches = report["train_batches"]
     drafters = [{"name": name, "block_size": block, "num_layers": size.drafter_layers,
                  "anchors_per_seq": size.anchors_per_seq, "dtype": "float32", "lr": size.drafter_lr,
                  "warmup_frac": 0.04, "min_lr_ratio": 0.1, "total_steps": batches,
-                 "checkpoint_every": max(1, batches // 4), "log_every": 10}
-                for name, block in (("d_b8", 8), ("d_b16", 16))]
+                 "checkpoint_every": max(1, batches // 4), "log_every": 10, **extra}
+                for name, block, extra in drafters_spec]
     return {
         "job": {"name": "demo", "run_dir": str(run_dir), "seed": seed},
         "target": {"path": str(assets / "target"), "dtype": "float32", "device": "cpu", "attn_implementation": "sdpa",
                    "num_features": len(size.layer_ids), "layer_ids": list(size.layer_ids)},
         "data": {"path": str(assets / "train.jsonl"), "format": "chat", "max_length": size.max_length,
                  "tokens_per_batch": size.tokens_per_batch, "epochs": size.epochs,
-                 "length_group_window": LENGTH_GROUP_WINDOW},
+                 "length_group_window": LENGTH_GROUP_WINDOW, "validation": VALIDATION, "eval_every": EVAL_EVERY,
+                 "validation_max_records": VALIDATION_MAX_RECORDS},
         "transport": {"kind": "cpu", "slots": 4},
         "drafters": drafters,
         "telemetry": {"interval_s": 2.0, "wandb_mode": "offline", "wandb_project": "dflash-demo"},

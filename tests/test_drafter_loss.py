@@ -162,7 +162,7 @@ def test_an_optimizer_step_normalises_by_the_weight_sum_of_all_its_batches(tmp_p
     long_seqs, short_seqs = distinct_seqs([40, 56]), distinct_seqs([9], seed=2)
     batches = [(target_features(target, s), *packed(s, prompt_len=p)) for s, p in ((long_seqs, 2), (short_seqs, 6))]
     tokens = sum(b[1].numel() for b in batches)
-    cfg = drafter_cfg(tokens_per_step=tokens, grad_clip=1e9, anchors_per_seq=16)
+    cfg = drafter_cfg(tokens_per_step=tokens, grad_clip=1e9, anchors_per_seq=16, loss="decay")  # dpace: test_recipe_loss
     trainer = Trainer(cfg, load_target_parts(tmp_path / "t"), LAYER_IDS, "cpu")
     reference_model = copy.deepcopy(trainer.model)
     gen = torch.Generator().manual_seed(0)

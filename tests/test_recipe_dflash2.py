@@ -232,7 +232,7 @@ def test_selector_loss_equals_the_slot_by_slot_definition_and_skips_gold_outside
     from consumer.loss import chunked_lm_head_loss
 
     cand = torch.full((h.shape[0], 4), -1, dtype=torch.int64)
-    chunked_lm_head_loss(h, model.lm_head, labels, batch.weights, 5, cand)
+    chunked_lm_head_loss(h, model.lm_head, labels, batch.weights, 5, top_k_out=cand)
     assert torch.equal(cand, model.logits(h).topk(4, dim=-1).indices)
     with torch.no_grad():
         via_loss = selector_loss(model, h, labels, batch.weights, 7, cand)

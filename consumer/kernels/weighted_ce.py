@@ -2,7 +2,9 @@
 
 forward:  lse, target logit and max logit of each row, streaming V in tiles (one read of the chunk);
 backward: g = w·(softmax - onehot), written in place over the logits (no second buffer).
-The two run back to back on each chunk (consumer.loss computes d loss / d hidden inside its forward).
+The two run back to back on each chunk (consumer.loss computes d loss / d hidden inside its forward);
+between them an optional `reweight` turns the chunk's per-row CE into the weights the backward uses
+(D-PACE's weights depend on the CE of every slot of a block: consumer.loss aligns chunks to blocks).
 The loss of a row is lse - target; `target logit >= max logit` is the (tie-tolerant) argmax check
 used for accuracy metrics. Triton runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
 (tests); anything else takes the torch path, which computes the same in float32.
@@ -11,6 +13,7 @@ used for accuracy metrics. Triton runs on CUDA tensors, or on CPU tensors under 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -113,26 +116,34 @@ def _grid(R: int):
 
 
 def weighted_ce_(
-    logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool = True
+    logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool = True,
+    reweight: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """logits [R, V] (rows contiguous), labels [R], weights [R] -> lse, target logit, max logit ([R] float32).
 
     With need_grad the logits are overwritten by d(Σ w·(lse - target))/d logits = w·(softmax - onehot)
     (exactly 0 on rows with w == 0): the chunk's one buffer serves forward and backward.
+    reweight(ce [R] float32, weights) -> [R]: the weights to use instead, from the rows' CE, computed after
+    the forward pass and written into `weights` (then a float32 tensor) before the gradient is.
     """
+    if reweight is not None and weights.dtype != torch.float32:
+        raise TypeError(f"weighted_ce_: with reweight the weights are overwritten: float32, not {weights.dtype}")
     if not _use_triton(logits):
-        return _weighted_ce_torch_(logits, labels, weights.float(), need_grad)
+        return _weighted_ce_torch_(logits, labels, weights.float(), need_grad, reweight)
     R, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     lse, tgt, mx = (torch.empty(R, dtype=torch.float32, device=logits.device) for _ in range(3))
     _ce_fwd_kernel[_grid(R)](logits, labels, lse, tgt, mx, R, V, logits.stride(0))
+    if reweight is not None:
+        weights.copy_(reweight(lse - tgt, weights))
     if need_grad:
         w = weights.float()
         _ce_bwd_kernel[_grid(R)](logits, logits, labels, lse, w, R, V, logits.stride(0), logits.stride(0))
     return lse, tgt, mx
 
 
-def _weighted_ce_torch_(logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool):
+def _weighted_ce_torch_(logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool,
+                        reweight: Callable[[Tensor, Tensor], Tensor] | None = None):
     """The same in torch, in place: five passes over the chunk and no temporary of its size (float32)."""
     rows = torch.arange(logits.shape[0], device=logits.device)
     x = logits if logits.dtype == torch.float32 else logits.float()
@@ -142,6 +153,8 @@ def _weighted_ce_torch_(logits: Tensor, labels: Tensor, weights: Tensor, need_gr
     e.sub_(mx[:, None]).exp_()  # exp(x - max)
     s = e.sum(dim=-1)
     lse = mx + s.log()
+    if reweight is not None:
+        weights.copy_(reweight(lse - tgt, weights))
     if need_grad:
         e.mul_((weights / s)[:, None])  # w·softmax
         e[rows, labels] -= weights
