@@ -27,11 +27,16 @@ from demo.job import FULL, QUICK, READY, evaluate_demo, job_doc, load_tokenizer,
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (a) the original recipe, (b) D-PACE, (c) D-PACE + Muon; the first is the baseline of the Δ column
+# (a) the original recipe, (b) D-PACE, (c) D-PACE + Muon, (d) DFlash2 + D-PACE, (e) an all-sliding drafter
+# (window 32) with its in-block rule both ways; the first is the baseline of the Δ column
+SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 32}
 VARIANTS: dict[str, dict] = {
     "decay_adamw": {"loss": "decay", "optimizer": "adamw"},
     "dpace_adamw": {"loss": "dpace", "optimizer": "adamw"},
     "dpace_muon": {"loss": "dpace", "optimizer": "muon"},
+    "dflash2_dpace": {"arch": "dflash2", "loss": "dpace", "optimizer": "adamw"},
+    "swa_causal": {**SLIDING, "sliding_block_attention": "causal", "loss": "dpace", "optimizer": "adamw"},
+    "swa_bidir": {**SLIDING, "sliding_block_attention": "bidirectional", "loss": "dpace", "optimizer": "adamw"},
 }
 
 

@@ -21,7 +21,12 @@ def test_the_ab_job_has_one_drafter_per_variant_and_block_with_its_overrides(tmp
     assert [(d.name, d.block_size, d.loss, d.optimizer) for d in drafters] == [
         ("decay_adamw_b16", 16, "decay", "adamw"), ("decay_adamw_b8", 8, "decay", "adamw"),
         ("dpace_adamw_b16", 16, "dpace", "adamw"), ("dpace_adamw_b8", 8, "dpace", "adamw"),
-        ("dpace_muon_b16", 16, "dpace", "muon"), ("dpace_muon_b8", 8, "dpace", "muon")]
+        ("dpace_muon_b16", 16, "dpace", "muon"), ("dpace_muon_b8", 8, "dpace", "muon"),
+        ("dflash2_dpace_b16", 16, "dpace", "adamw"), ("dflash2_dpace_b8", 8, "dpace", "adamw"),
+        ("swa_causal_b16", 16, "dpace", "adamw"), ("swa_causal_b8", 8, "dpace", "adamw"),
+        ("swa_bidir_b16", 16, "dpace", "adamw"), ("swa_bidir_b8", 8, "dpace", "adamw")]
+    assert [(d.arch, d.block_attention) for d in drafters[6:]] == [("dflash2", "bidirectional")] * 2 + [
+        ("dflash1", "causal")] * 2 + [("dflash1", "bidirectional")] * 2
     assert {(d.lr, d.total_steps, d.seed, d.num_layers) for d in drafters} == {(3e-3, 720, None, 2)}  # the same
     assert job["job"]["name"] == "recipe_ab" and (tmp_path / "ab" / "assets").resolve() == assets.resolve()
     with pytest.raises(SystemExit, match="no complete demo build"):
