@@ -1,6 +1,6 @@
 """`make bench`: every benchmark in turn, each in its own process, then one JSON object of all results.
 
-    python -m bench.all [--only transport,drafter] [--quick]
+python -m bench.all [--only transport,drafter] [--quick]
 """
 
 from __future__ import annotations

@@ -103,8 +103,17 @@ def short_sequences_case(repeats: int, seqs: int = 100, seq_len: int = 160, per_
     """Old (per-sequence anchors, padding included) vs new (batch budget) steps on one batch of short sequences."""
     torch.manual_seed(0)
     H, V = 64, 2048
-    arch = DrafterArch(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=2 * H,
-                       num_layers=1, num_features=3, rms_norm_eps=1e-6, rope_theta=1e6)
+    arch = DrafterArch(
+        hidden_size=H,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=2 * H,
+        num_layers=1,
+        num_features=3,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    )
     model = DFlashDrafter(arch, torch.randn(V, H) * 0.5, torch.randn(V, H) * 0.5)
     T = seqs * seq_len
     input_ids = torch.randint(0, V - 1, (T,))
@@ -113,9 +122,17 @@ def short_sequences_case(repeats: int, seqs: int = 100, seq_len: int = 160, per_
     features = torch.randn(T, 3 * H)
 
     def batch_with(budget):
-        return build_draft_batch(input_ids, loss_mask, cu, anchors_per_seq=per_seq, block_size=block,
-                                 mask_token_id=V - 1, gamma=7.0, generator=torch.Generator().manual_seed(0),
-                                 max_anchors=budget)
+        return build_draft_batch(
+            input_ids,
+            loss_mask,
+            cu,
+            anchors_per_seq=per_seq,
+            block_size=block,
+            mask_token_id=V - 1,
+            gamma=7.0,
+            generator=torch.Generator().manual_seed(0),
+            max_anchors=budget,
+        )
 
     every = batch_with(None)
     budget = anchor_budget(T, None, per_seq)
@@ -123,8 +140,9 @@ def short_sequences_case(repeats: int, seqs: int = 100, seq_len: int = 160, per_
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     steps = {}
     for name, b in batches.items():
-        loss = functools.partial(chunked_lm_head_loss, lm_head=model.lm_head, labels=b.labels, weights=b.weights,
-                                 chunk_rows=2048)
+        loss = functools.partial(
+            chunked_lm_head_loss, lm_head=model.lm_head, labels=b.labels, weights=b.weights, chunk_rows=2048
+        )
         steps[name] = make_step(model, b, dense_mask(b), features, loss, opt)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
@@ -165,9 +183,7 @@ def peak_bytes(fn) -> int:
     """Peak of the running sum of tensor allocations minus frees recorded while fn runs."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -204,9 +220,7 @@ def main(argv=None):
     steps = {name: make_step(model, batch, mask, features, fn, opt) for name, fn in losses.items()}
     peaks = {name: peak_bytes(step) for name, step in steps.items()}  # also each variant's warm-up
     adam_state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-    resident = sum(
-        t.numel() * t.element_size() for t in [*model.state_dict().values(), *adam_state, features]
-    )
+    resident = sum(t.numel() * t.element_size() for t in [*model.state_dict().values(), *adam_state, features])
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():

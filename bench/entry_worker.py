@@ -54,15 +54,11 @@ def run(request: dict) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit(
-            "usage: python -m bench.entry_worker CORES [MODULE...]   (CORES: comma-separated cpu ids)"
-        )
+        raise SystemExit("usage: python -m bench.entry_worker CORES [MODULE...]   (CORES: comma-separated cpu ids)")
     try:
         cores = {int(c) for c in argv[0].split(",")}
     except ValueError:
-        raise SystemExit(
-            f"bench.entry_worker: CORES must be comma-separated cpu ids, got {argv[0]!r}"
-        ) from None
+        raise SystemExit(f"bench.entry_worker: CORES must be comma-separated cpu ids, got {argv[0]!r}") from None
     os.environ["OMP_NUM_THREADS"] = "1"
     os.sched_setaffinity(0, cores)
     protocol = os.fdopen(os.dup(1), "w")

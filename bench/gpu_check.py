@@ -38,8 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MD_BEGIN, MD_END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
-TARGET = dict(hidden_size=4096, num_layers=36, heads=32, kv_heads=8, head_dim=128, intermediate_size=12288,
-              vocab_size=151_936)
+TARGET = dict(
+    hidden_size=4096, num_layers=36, heads=32, kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151_936
+)
 LAYER_IDS = [1, 9, 17, 25, 33]
 PIPELINE_TARGET_LAYERS = 6  # the pipeline's target checkpoint: Qwen3-8B's layers, fewer of them (~4.5 GiB on disk)
 PIPELINE_LAYER_IDS = [1, 2, 3, 4, 5]
@@ -90,21 +91,42 @@ def planned_memory() -> dict[str, float]:
     from producer.memory_plan import forward_peak, prefix_of_every_kind, weight_bytes
 
     t = TARGET
-    text = Qwen3Config(vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_layers"],
-                       num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"], head_dim=t["head_dim"],
-                       intermediate_size=t["intermediate_size"], tie_word_embeddings=False)
+    text = Qwen3Config(
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        num_hidden_layers=t["num_layers"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        intermediate_size=t["intermediate_size"],
+        tie_word_embeddings=False,
+    )
 
     def target(layers: int, tokens: int, slots: int) -> int:
         cut = copy.deepcopy(text)
         cut.num_hidden_layers = layers
         width = len(LAYER_IDS) * t["hidden_size"]
-        return (weight_bytes(cut, "bfloat16") + forward_peak(prefix_of_every_kind(cut), "bfloat16", tokens)
-                + slots * required_slot_bytes(tokens, width, "bfloat16"))
+        return (
+            weight_bytes(cut, "bfloat16")
+            + forward_peak(prefix_of_every_kind(cut), "bfloat16", tokens)
+            + slots * required_slot_bytes(tokens, width, "bfloat16")
+        )
 
-    parts = TargetParts(path=Path("."), hidden_size=t["hidden_size"], num_attention_heads=t["heads"],
-                        num_key_value_heads=t["kv_heads"], head_dim=t["head_dim"], intermediate_size=t["intermediate_size"],
-                        rms_norm_eps=1e-6, vocab_size=t["vocab_size"], num_hidden_layers=t["num_layers"],
-                        max_position_embeddings=40960, tie_word_embeddings=False, embed_tokens=None, lm_head=None)
+    parts = TargetParts(
+        path=Path("."),
+        hidden_size=t["hidden_size"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        intermediate_size=t["intermediate_size"],
+        rms_norm_eps=1e-6,
+        vocab_size=t["vocab_size"],
+        num_hidden_layers=t["num_layers"],
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        embed_tokens=None,
+        lm_head=None,
+    )
 
     def drafter(layers: int, tokens: int) -> int:
         cfg = DrafterConfig(name="d", block_size=DRAFTER["block_size"], num_layers=layers)
@@ -120,7 +142,8 @@ def planned_memory() -> dict[str, float]:
         "producer": target(max(LAYER_IDS) + 1, TOKENS_PER_BATCH, 1) + ctx,
         "consumer": drafter(DRAFTER["num_layers"], TOKENS_PER_BATCH) + ctx,
         "pipeline": target(PIPELINE_TARGET_LAYERS, PIPELINE_TOKENS_PER_BATCH, 4)
-        + 2 * drafter(DRAFTER["num_layers"], PIPELINE_TOKENS_PER_BATCH) + 3 * ctx,
+        + 2 * drafter(DRAFTER["num_layers"], PIPELINE_TOKENS_PER_BATCH)
+        + 3 * ctx,
         "export": drafter(1, 4096) + ctx,
     }
     return {k: round(v / GIB, 1) for k, v in figures.items()}
@@ -136,7 +159,8 @@ def log(msg: str) -> None:
 
 def write_job(path: Path, run_dir: Path, assets: Path, data: str, epochs: int, tokens_per_batch: int) -> Path:
     """A job file of the check's shapes: the small target checkpoint, two drafters on cuda:0."""
-    drafters = "".join(f"""
+    drafters = "".join(
+        f"""
 [[drafters]]
 name = "b16_{i}"
 block_size = {DRAFTER["block_size"]}
@@ -144,7 +168,9 @@ num_layers = {DRAFTER["num_layers"]}
 devices = ["cuda:0"]
 checkpoint_every = 1000000
 total_steps = 100000
-""" for i in range(2))
+"""
+        for i in range(2)
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""
 [job]
@@ -178,15 +204,24 @@ def run_stage(name: str, workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu_check_stages", name, "--workdir", str(workdir)]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True,
-                              timeout=budget(name))
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True, timeout=budget(name)
+        )
     except subprocess.TimeoutExpired:
-        return {"stage": name, "ok": False, "error": f"over its budget of {budget(name)} s",
-                "wall_s": round(time.perf_counter() - start, 1)}
+        return {
+            "stage": name,
+            "ok": False,
+            "error": f"over its budget of {budget(name)} s",
+            "wall_s": round(time.perf_counter() - start, 1),
+        }
     lines = [li for li in proc.stdout.splitlines() if li.startswith("{")]
     if not lines:
-        return {"stage": name, "ok": False, "error": f"exited {proc.returncode} without its JSON line",
-                "wall_s": round(time.perf_counter() - start, 1)}
+        return {
+            "stage": name,
+            "ok": False,
+            "error": f"exited {proc.returncode} without its JSON line",
+            "wall_s": round(time.perf_counter() - start, 1),
+        }
     return json.loads(lines[-1])
 
 
@@ -195,6 +230,7 @@ def run_stage(name: str, workdir: Path) -> dict:
 
 def render_table(results: dict) -> str:
     """The markdown table for docs/gpu.md: one row per figure, `failed: reason` where a stage failed."""
+
     def get(stage: str, key: str, unit: str = "") -> str:
         r = results.get(stage) or {}
         if not r.get("ok", False) and "error" in r:
@@ -203,9 +239,12 @@ def render_table(results: dict) -> str:
         return "n/a" if v is None else f"{v}{unit}"
 
     t = results.get("tests") or {}
-    tests = (f"{t.get('passed', 'n/a')} passed, {t.get('failed', 'n/a')} failed, {t.get('errors', 'n/a')} errors,"
-             f" {t.get('skipped', 'n/a')} skipped" if t.get("ok") is not None and "error" not in t
-             else get("tests", "passed"))
+    tests = (
+        f"{t.get('passed', 'n/a')} passed, {t.get('failed', 'n/a')} failed, {t.get('errors', 'n/a')} errors,"
+        f" {t.get('skipped', 'n/a')} skipped"
+        if t.get("ok") is not None and "error" not in t
+        else get("tests", "passed")
+    )
     rows = [
         ("CUDA-marked tests (Triton compiled)", tests),
         ("CUDA context of one process (NVML), MiB", get("memory", "cuda_context_mib")),
@@ -235,12 +274,17 @@ def write_markdown(path: Path, table: str) -> None:
 
 
 def plan_text(skip: set[str]) -> str:
-    lines = [f"  {name:9s} {secs:4d} s  {'unplanned' if gib is None else f'{gib:5.1f} GiB':>9s}  {what}"
-             + ("  [skipped by --skip]" if name in skip else "") for name, (secs, gib, what) in PLAN.items()]
+    lines = [
+        f"  {name:9s} {secs:4d} s  {'unplanned' if gib is None else f'{gib:5.1f} GiB':>9s}  {what}"
+        + ("  [skipped by --skip]" if name in skip else "")
+        for name, (secs, gib, what) in PLAN.items()
+    ]
     total = sum(secs for name, (secs, _, _) in PLAN.items() if name not in skip)
-    lines.append(f"  total     {total:4d} s (each stage its own command; at most {STAGE_LIMIT_S} s a stage,"
-                 f" {TOTAL_LIMIT_S} s in all); peak memory of the largest stage"
-                 f" {max(g for _, g, _ in PLAN.values() if g is not None):.1f} of {H200_GIB} GiB")
+    lines.append(
+        f"  total     {total:4d} s (each stage its own command; at most {STAGE_LIMIT_S} s a stage,"
+        f" {TOTAL_LIMIT_S} s in all); peak memory of the largest stage"
+        f" {max(g for _, g, _ in PLAN.values() if g is not None):.1f} of {H200_GIB} GiB"
+    )
     return "\n".join(lines)
 
 
@@ -270,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dfg-", dir="/tmp"))  # short: ipc path limit
     workdir.mkdir(parents=True, exist_ok=True)
-    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                     "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    results: dict = {
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
     started = time.perf_counter()
     try:
         for name in PLAN:
@@ -279,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             assets = (results.get("assets") or {}).get("ok") or ("assets" in skip and (workdir / "assets").is_dir())
             if name in NEEDS_ASSETS and not assets:
-                results[name] = {"stage": name, "ok": False, "error": "no assets (the assets stage failed or was skipped)"}
+                results[name] = {
+                    "stage": name,
+                    "ok": False,
+                    "error": "no assets (the assets stage failed or was skipped)",
+                }
             else:
                 log(f"{name}: {PLAN[name][2]} (budget {budget(name)} s)")
                 results[name] = run_stage(name, workdir)
@@ -290,8 +341,15 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     results["ok"] = all(results[s].get("ok") for s in PLAN if s in results)
     write_markdown(args.md, render_table(results))
-    print(json.dumps({"summary": True, **{k: v for k, v in results.items() if k not in PLAN},
-                      "stages_ok": {s: results[s].get("ok") for s in PLAN if s in results}}))
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                **{k: v for k, v in results.items() if k not in PLAN},
+                "stages_ok": {s: results[s].get("ok") for s in PLAN if s in results},
+            }
+        )
+    )
     return 0 if results["ok"] else 1
 
 

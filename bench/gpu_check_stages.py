@@ -54,10 +54,9 @@ def window_figures(metrics_jsonl: Path) -> dict:
     """Median tokens/s per drafter and of the pipeline over telemetry's windows after the first third."""
     rows = [json.loads(li)["metrics"] for li in metrics_jsonl.read_text().splitlines() if li.strip()]
     rows = [r for r in rows if any(k.endswith("/tokens_per_s") and v for k, v in r.items())]
-    steady = rows[len(rows) // 3:]
+    steady = rows[len(rows) // 3 :]
     keys = sorted({k for r in steady for k in r if k.endswith("/tokens_per_s")})
-    return {"windows": len(steady),
-            **{k: round(statistics.median(r.get(k, 0.0) for r in steady), 1) for k in keys}}
+    return {"windows": len(steady), **{k: round(statistics.median(r.get(k, 0.0) for r in steady), 1) for k in keys}}
 
 
 # ------------------------------------------------------------------------------------------------ stages
@@ -67,11 +66,16 @@ def stage_tests(workdir: Path) -> dict:
     xml = workdir / "cuda-tests.xml"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=plan.budget("tests") - 15)  # the rest: this process's own start and report
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=plan.budget("tests") - 15
+    )  # the rest: this process's own start and report
     counts = junit_counts(xml) if xml.exists() else {}
-    return {"ok": proc.returncode == 0 and counts.get("passed", 0) > 0, **counts, "exit": proc.returncode,
-            "summary": (proc.stdout + proc.stderr).strip().splitlines()[-3:]}
+    return {
+        "ok": proc.returncode == 0 and counts.get("passed", 0) > 0,
+        **counts,
+        "exit": proc.returncode,
+        "summary": (proc.stdout + proc.stderr).strip().splitlines()[-3:],
+    }
 
 
 def stage_memory(workdir: Path) -> dict:
@@ -90,8 +94,12 @@ def stage_memory(workdir: Path) -> dict:
     finally:
         pynvml.nvmlShutdown()
     context = (mine[0] if mine and mine[0] else 0) - torch.cuda.memory_reserved()
-    return {"ok": bool(mine), "cuda_context_mib": round(context / 2**20, 1),
-            "planned_cuda_context_mib": CUDA_CONTEXT_BYTES / 2**20, "device_gib": round(total / 2**30, 1)}
+    return {
+        "ok": bool(mine),
+        "cuda_context_mib": round(context / 2**20, 1),
+        "planned_cuda_context_mib": CUDA_CONTEXT_BYTES / 2**20,
+        "device_gib": round(total / 2**30, 1),
+    }
 
 
 def stage_assets(workdir: Path) -> dict:
@@ -101,13 +109,20 @@ def stage_assets(workdir: Path) -> dict:
 
     assets = workdir / "assets"
     tok = train_tokenizer(corpus_texts(synthetic_chats(600, seed=0)), 2000, assets / "tokenizer")
-    build_tiny_target(assets / "target", tok, seed=0, dtype=torch.bfloat16, device="cuda:0",
-                      **{**plan.TARGET, "num_layers": plan.PIPELINE_TARGET_LAYERS})
+    build_tiny_target(
+        assets / "target",
+        tok,
+        seed=0,
+        dtype=torch.bfloat16,
+        device="cuda:0",
+        **{**plan.TARGET, "num_layers": plan.PIPELINE_TARGET_LAYERS},
+    )
     write_jsonl(assets / "stage_chats.jsonl", synthetic_chats(plan.STAGE_CHATS, seed=1))
     write_jsonl(assets / "pipeline_chats.jsonl", synthetic_chats(plan.STAGE_CHATS, seed=2))
-    for name, data, epochs, tokens in (("stages", "stage_chats.jsonl", 1, plan.TOKENS_PER_BATCH),
-                                       ("pipe", "pipeline_chats.jsonl", plan.PIPELINE_EPOCHS,
-                                        plan.PIPELINE_TOKENS_PER_BATCH)):
+    for name, data, epochs, tokens in (
+        ("stages", "stage_chats.jsonl", 1, plan.TOKENS_PER_BATCH),
+        ("pipe", "pipeline_chats.jsonl", plan.PIPELINE_EPOCHS, plan.PIPELINE_TOKENS_PER_BATCH),
+    ):
         plan.write_job(workdir / name / "job.toml", workdir / name, assets, data, epochs, tokens)
     size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())
     return {"ok": True, "written_gib": round(size / 2**30, 2)}
@@ -133,8 +148,11 @@ def dynamo_counts() -> dict[str, int]:
     """Dynamo's own counters: frames compiled, graphs built, recompilations (a guard failed on a new shape)."""
     from torch._dynamo.utils import counters
 
-    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"]),
-            "recompiles": int(sum(counters["recompiles"].values()))}
+    return {
+        "frames": int(counters["frames"]["ok"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": int(sum(counters["recompiles"].values())),
+    }
 
 
 def _timed(run, batches) -> float:
@@ -150,7 +168,8 @@ def _timed(run, batches) -> float:
 
 def _compile_figures(before: dict, after_warmup: dict, after_timed: dict) -> dict:
     return {f"{k}_in_warmup": after_warmup[k] - before[k] for k in before} | {
-        f"{k}_in_timed_batches": after_timed[k] - after_warmup[k] for k in before}
+        f"{k}_in_timed_batches": after_timed[k] - after_warmup[k] for k in before
+    }
 
 
 def stage_producer(workdir: Path) -> dict:
@@ -164,9 +183,15 @@ def stage_producer(workdir: Path) -> dict:
 
     _, batches = _batches(workdir)
     t = plan.TARGET
-    config = Qwen3Config(vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=t["num_layers"],
-                         num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"], head_dim=t["head_dim"],
-                         intermediate_size=t["intermediate_size"])
+    config = Qwen3Config(
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        num_hidden_layers=t["num_layers"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        intermediate_size=t["intermediate_size"],
+    )
     cut = copy.deepcopy(config)
     cut.num_hidden_layers = max(plan.LAYER_IDS) + 1
     torch.cuda.reset_peak_memory_stats()
@@ -181,17 +206,22 @@ def stage_producer(workdir: Path) -> dict:
     def run(b):
         target(b[0], b[1], out=buffer[: b[2]])
 
-    warm, timed = on_gpu[: plan.WARMUP_BATCHES], on_gpu[plan.WARMUP_BATCHES:]
+    warm, timed = on_gpu[: plan.WARMUP_BATCHES], on_gpu[plan.WARMUP_BATCHES :]
     c0 = dynamo_counts()
     _timed(run, warm)
     c1 = dynamo_counts()
     seconds = _timed(run, timed)
     c2 = dynamo_counts()
     tokens = sum(b[2] for b in timed)
-    return {"ok": True, "timed_batches": len(timed), "timed_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1), "attn": target.attn_implementation,
-            "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            **_compile_figures(c0, c1, c2)}
+    return {
+        "ok": True,
+        "timed_batches": len(timed),
+        "timed_tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "attn": target.attn_implementation,
+        "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        **_compile_figures(c0, c1, c2),
+    }
 
 
 def stage_consumer(workdir: Path) -> dict:
@@ -210,21 +240,34 @@ def stage_consumer(workdir: Path) -> dict:
     t = plan.TARGET
     torch.cuda.reset_peak_memory_stats()
     embed = torch.randn(t["vocab_size"], t["hidden_size"], dtype=torch.bfloat16, device="cuda") * 0.02
-    parts = TargetParts(path=workdir / "assets" / "target", hidden_size=t["hidden_size"], num_attention_heads=t["heads"],
-                        num_key_value_heads=t["kv_heads"], head_dim=t["head_dim"],
-                        intermediate_size=t["intermediate_size"], rms_norm_eps=1e-6, vocab_size=t["vocab_size"],
-                        num_hidden_layers=t["num_layers"], max_position_embeddings=40960, tie_word_embeddings=False,
-                        embed_tokens=embed, lm_head=torch.randn_like(embed) * 0.02)
+    parts = TargetParts(
+        path=workdir / "assets" / "target",
+        hidden_size=t["hidden_size"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        intermediate_size=t["intermediate_size"],
+        rms_norm_eps=1e-6,
+        vocab_size=t["vocab_size"],
+        num_hidden_layers=t["num_layers"],
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        embed_tokens=embed,
+        lm_head=torch.randn_like(embed) * 0.02,
+    )
     # the job's tokens_per_batch sizes the anchor budget and flex's one compiled shape, as in the consumer
     trainer = Trainer(job.drafters[0], parts, plan.LAYER_IDS, "cuda:0", tokens_per_batch=job.data.tokens_per_batch)
     trainer.warmup()
-    features = torch.randn(plan.TOKENS_PER_BATCH, len(plan.LAYER_IDS) * t["hidden_size"], dtype=torch.bfloat16,
-                           device="cuda")  # the copy-out buffer; each batch reads its first T rows
+    features = torch.randn(
+        plan.TOKENS_PER_BATCH, len(plan.LAYER_IDS) * t["hidden_size"], dtype=torch.bfloat16, device="cuda"
+    )  # the copy-out buffer; each batch reads its first T rows
 
     def run(b):
-        trainer.train_batch(features[: b.num_tokens], b.input_ids.cuda(), b.loss_mask, b.cu_seqlens, b.seq)  # masks: host
+        trainer.train_batch(
+            features[: b.num_tokens], b.input_ids.cuda(), b.loss_mask, b.cu_seqlens, b.seq
+        )  # masks: host
 
-    warm, timed = batches[: plan.WARMUP_BATCHES], batches[plan.WARMUP_BATCHES:]
+    warm, timed = batches[: plan.WARMUP_BATCHES], batches[plan.WARMUP_BATCHES :]
     c0 = dynamo_counts()
     _timed(run, warm)
     c1 = dynamo_counts()
@@ -238,9 +281,16 @@ def stage_consumer(workdir: Path) -> dict:
     finally:
         sampler.stop()
     tokens = sum(b.num_tokens for b in timed)
-    return {"ok": True, "timed_batches": len(timed), "timed_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-            "nvml_on_over_off_step_time": round(on / off, 4), "nvml_available": sampler.available,
-            "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **_compile_figures(c0, c1, c2)}
+    return {
+        "ok": True,
+        "timed_batches": len(timed),
+        "timed_tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "nvml_on_over_off_step_time": round(on / off, 4),
+        "nvml_available": sampler.available,
+        "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        **_compile_figures(c0, c1, c2),
+    }
 
 
 class NvmlPeak:
@@ -283,8 +333,10 @@ def stage_pipeline(workdir: Path) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
-    roles = [("telemetry", ["-m", "telemetry", "--job", str(job_path)]),
-             ("producer", ["-m", "producer", "--job", str(job_path)])]
+    roles = [
+        ("telemetry", ["-m", "telemetry", "--job", str(job_path)]),
+        ("producer", ["-m", "producer", "--job", str(job_path)]),
+    ]
     roles += [(d.name, ["-m", "consumer", "--job", str(job_path), "--drafter", d.name]) for d in job.drafters]
     peak = NvmlPeak()
     procs: dict[str, subprocess.Popen] = {}
@@ -292,15 +344,22 @@ def stage_pipeline(workdir: Path) -> dict:
     try:
         for name, args in roles:
             with open(logs / f"{name}.log", "wb") as out:
-                procs[name] = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out,
-                                               stderr=subprocess.STDOUT, start_new_session=True)
+                procs[name] = subprocess.Popen(
+                    [sys.executable, *args],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         metrics = job.run_paths.metrics_jsonl
         deadline = time.monotonic() + plan.PIPELINE_START_S
         while not (metrics.exists() and window_figures(metrics)["windows"] > 0):  # the first trained window
             dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"the pipeline did not start training in {plan.PIPELINE_START_S} s (exited: {dead});"
-                                   f" logs in {logs}")
+                raise RuntimeError(
+                    f"the pipeline did not start training in {plan.PIPELINE_START_S} s (exited: {dead}); logs in {logs}"
+                )
             time.sleep(1)
         started_s = time.perf_counter() - start
         time.sleep(plan.PIPELINE_S)
@@ -314,9 +373,16 @@ def stage_pipeline(workdir: Path) -> dict:
             p.wait(30)
         mem = peak.stop()
     rates = [v for k, v in figures.items() if k.startswith("drafter/")]
-    return {"ok": not dead and bool(rates), "exited_during_run": dead, "start_to_first_window_s": round(started_s, 1),
-            "seconds": plan.PIPELINE_S, **figures, "pipeline_tokens_per_s": min(rates) if rates else None,
-            "gpu_mem_peak_gib": mem, "logs": str(logs)}
+    return {
+        "ok": not dead and bool(rates),
+        "exited_during_run": dead,
+        "start_to_first_window_s": round(started_s, 1),
+        "seconds": plan.PIPELINE_S,
+        **figures,
+        "pipeline_tokens_per_s": min(rates) if rates else None,
+        "gpu_mem_peak_gib": mem,
+        "logs": str(logs),
+    }
 
 
 def stage_export(workdir: Path) -> dict:
@@ -338,21 +404,46 @@ def stage_export(workdir: Path) -> dict:
     ids = torch.randint(0, 2000, (T,), device="cuda")
     for seq in range(2):
         hidden = torch.randn(T, len(plan.PIPELINE_LAYER_IDS) * parts.hidden_size, dtype=torch.bfloat16, device="cuda")
-        trainer.train_batch(hidden, ids, torch.ones(T, dtype=torch.uint8),  # loss_mask on the host
-                            torch.tensor([0, T // 2, T], dtype=torch.int32), seq)
+        trainer.train_batch(
+            hidden,
+            ids,
+            torch.ones(T, dtype=torch.uint8),  # loss_mask on the host
+            torch.tensor([0, T // 2, T], dtype=torch.int32),
+            seq,
+        )
     out = Path(tempfile.mkdtemp(prefix="export-", dir=workdir))
-    write_export(out, trainer.model.state_dict(), export_config(
-        trainer.arch, trainer.parts, block_size=cfg.block_size, mask_token_id=trainer.mask_token_id,
-        target_layer_ids=trainer.target_layer_ids, dtype=cfg.dtype))
+    write_export(
+        out,
+        trainer.model.state_dict(),
+        export_config(
+            trainer.arch,
+            trainer.parts,
+            block_size=cfg.block_size,
+            mask_token_id=trainer.mask_token_id,
+            target_layer_ids=trainer.target_layer_ids,
+            dtype=cfg.dtype,
+        ),
+    )
     model = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, local_files_only=True)
     saved, state = load_file(str(out / "model.safetensors")), model.state_dict()
     same = all(k in state and torch.equal(state[k].cpu().to(v.dtype), v) for k, v in saved.items())
-    return {"ok": same, "tensors": len(saved), "weights_equal": same,
-            "export_mib": round(sum(f.stat().st_size for f in out.iterdir()) / 2**20, 1)}
+    return {
+        "ok": same,
+        "tensors": len(saved),
+        "weights_equal": same,
+        "export_mib": round(sum(f.stat().st_size for f in out.iterdir()) / 2**20, 1),
+    }
 
 
-STAGES = {"tests": stage_tests, "memory": stage_memory, "assets": stage_assets, "producer": stage_producer,
-          "consumer": stage_consumer, "pipeline": stage_pipeline, "export": stage_export}
+STAGES = {
+    "tests": stage_tests,
+    "memory": stage_memory,
+    "assets": stage_assets,
+    "producer": stage_producer,
+    "consumer": stage_consumer,
+    "pipeline": stage_pipeline,
+    "export": stage_export,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

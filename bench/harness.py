@@ -28,8 +28,9 @@ def spawn(args: list, log: Path, env: Mapping[str, str] | None = None) -> subpro
     `env` added to this process's environment, stdout and stderr appended to `log`."""
     full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log, "a") as out:  # the child holds its own copy of the descriptor
-        return subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=full, stdout=out,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, *map(str, args)], cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 def write_job(path: Path, job: JobConfig | Mapping, *, header: str = "") -> Path:

@@ -113,19 +113,44 @@ RUNS = {
 
 def write_job(path: Path, run_dir: Path, assets: Path, setting: Setting, drafters: int) -> Path:
     """The job file of one run (also read by the stage worker, so both see the same batch plan)."""
-    drafters = [{"name": f"d{i}", "block_size": setting.block_size, "num_layers": setting.drafter_layers,
-                 "anchors_per_seq": setting.anchors_per_seq, "checkpoint_every": 1000000, "log_every": 1000000,
-                 "total_steps": 100000} for i in range(drafters)]
+    drafters = [
+        {
+            "name": f"d{i}",
+            "block_size": setting.block_size,
+            "num_layers": setting.drafter_layers,
+            "anchors_per_seq": setting.anchors_per_seq,
+            "checkpoint_every": 1000000,
+            "log_every": 1000000,
+            "total_steps": 100000,
+        }
+        for i in range(drafters)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    return harness.write_job(path, {
-        "job": {"name": f"bench-{run_dir.parent.name[4:]}-{run_dir.name}", "run_dir": str(run_dir), "seed": 7},
-        "target": {"path": str(assets / "target"), "dtype": "float32", "layer_ids": list(setting.layer_ids),
-                   "num_features": len(setting.layer_ids)},
-        "data": {"path": str(assets / "chats.jsonl"), "max_length": MAX_LENGTH, "tokens_per_batch": TOKENS_PER_BATCH},
-        "transport": {"slots": 4, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0, "attach_timeout_s": 300},
-        "telemetry": {"interval_s": STATS_INTERVAL_S, "wandb_mode": "disabled"},
-        "drafters": drafters,
-    })
+    return harness.write_job(
+        path,
+        {
+            "job": {"name": f"bench-{run_dir.parent.name[4:]}-{run_dir.name}", "run_dir": str(run_dir), "seed": 7},
+            "target": {
+                "path": str(assets / "target"),
+                "dtype": "float32",
+                "layer_ids": list(setting.layer_ids),
+                "num_features": len(setting.layer_ids),
+            },
+            "data": {
+                "path": str(assets / "chats.jsonl"),
+                "max_length": MAX_LENGTH,
+                "tokens_per_batch": TOKENS_PER_BATCH,
+            },
+            "transport": {
+                "slots": 4,
+                "heartbeat_interval_s": 1.0,
+                "heartbeat_timeout_s": 30.0,
+                "attach_timeout_s": 300,
+            },
+            "telemetry": {"interval_s": STATS_INTERVAL_S, "wandb_mode": "disabled"},
+            "drafters": drafters,
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------ the benchmark
@@ -140,9 +165,7 @@ def best_serial_same_cores(rates: dict[str, float]) -> str:
     return max(("serial_2_threads", "serial_1_thread_2_cores"), key=lambda k: rates[k])
 
 
-def summarise(
-    stages: list[dict], runs: dict[str, list[dict]], cores: tuple[int, int], allowed: list[int]
-) -> dict:
+def summarise(stages: list[dict], runs: dict[str, list[dict]], cores: tuple[int, int], allowed: list[int]) -> dict:
     """The JSON result: ratios of medians, the medians, every repetition's figures, shapes and cores."""
     for r in stages:
         best = best_serial_same_cores(r["tokens_per_s"])
@@ -186,8 +209,7 @@ def summarise(
     return {
         **{k: round(v, 3) for k, v in ratios.items()},
         "targets_met": {
-            k: bool(ratios[k] >= bound if op == ">=" else ratios[k] <= bound)
-            for k, (op, bound) in TARGETS.items()
+            k: bool(ratios[k] >= bound if op == ">=" else ratios[k] <= bound) for k, (op, bound) in TARGETS.items()
         },
         "targets": {k: f"{op} {bound}" for k, (op, bound) in TARGETS.items()},
         **{k: round(v, 3) for k, v in diagnostics.items()},
@@ -223,9 +245,7 @@ def summarise(
         },
         "shapes": {
             "target": {**TARGET_SHAPE, "dtype": "float32", "attn": "auto (packed_sdpa on the CPU)"},
-            "settings": {
-                k: {**asdict(v), "target_layers_run": max(v.layer_ids) + 1} for k, v in SETTINGS.items()
-            },
+            "settings": {k: {**asdict(v), "target_layers_run": max(v.layer_ids) + 1} for k, v in SETTINGS.items()},
             "tokens_per_batch": TOKENS_PER_BATCH,
             "max_length": MAX_LENGTH,
         },
@@ -300,15 +320,18 @@ def main(argv: list[str] | None = None) -> dict:
         ("d0", cores[1], "consumer.__main__"),
         ("d1", cores[1], "consumer.__main__"),
     ):
-        workers[name] = Worker(
-            name, ["bench.entry_worker", str(core), module], workdir / f"worker-{name}.log"
-        )
+        workers[name] = Worker(name, ["bench.entry_worker", str(core), module], workdir / f"worker-{name}.log")
     runs: dict[str, list[dict]] = {name: [] for name in RUNS}
     stages: list[dict] = []
     try:
         ready = {name: w.request(None) for name, w in workers.items()}["stages"]
         # the co-run's consumer side: a second stage process, started once the first has built the assets
-        partner = [*stage_args[:1], "--assets-built", *stage_args[1:-len(stage_jobs)], f"balanced={stage_jobs['balanced']}"]
+        partner = [
+            *stage_args[:1],
+            "--assets-built",
+            *stage_args[1 : -len(stage_jobs)],
+            f"balanced={stage_jobs['balanced']}",
+        ]
         workers["co_run"] = Worker("co_run", partner, workdir / "co_run.log")
         workers["co_run"].request(None)
         order = list(RUNS)

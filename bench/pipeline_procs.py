@@ -144,9 +144,7 @@ def run_pipeline(job: Path, drafters: int, workers: dict[str, Worker], warmup: i
     sub.setsockopt(zmq.SUBSCRIBE, b"stats.")
     sub.bind(ingest_endpoint(paths))
     roles = {"producer": ("producer.__main__", ["--job", str(job)])}
-    roles |= {
-        f"d{i}": ("consumer.__main__", ["--job", str(job), "--drafter", f"d{i}"]) for i in range(drafters)
-    }
+    roles |= {f"d{i}": ("consumer.__main__", ["--job", str(job), "--drafter", f"d{i}"]) for i in range(drafters)}
     load = LoadMeter(workers.values())
     for name, (module, argv) in roles.items():
         workers[name].send({"module": module, "argv": argv, "log": str(paths.logs / f"{name}.log")})
@@ -179,9 +177,7 @@ def run_pipeline(job: Path, drafters: int, workers: dict[str, Worker], warmup: i
     failed = {name: rc for name, rc in status.items() if rc != 0}
     if failed:
         name = next(iter(failed))
-        raise RuntimeError(
-            f"{job}: {failed} exited non-zero; {name}'s log:\n{tail(paths.logs / f'{name}.log')}"
-        )
+        raise RuntimeError(f"{job}: {failed} exited non-zero; {name}'s log:\n{tail(paths.logs / f'{name}.log')}")
     windows = {"producer": window(snaps.get("producer", []), warmup, f"{job} producer")}
     windows |= {f"d{i}": window(snaps.get(f"d{i}_r0", []), warmup, f"{job} d{i}") for i in range(drafters)}
     # Each process's rate over the same batches on its own clock; the slowest is the pipeline's. The
@@ -195,13 +191,10 @@ def run_pipeline(job: Path, drafters: int, workers: dict[str, Worker], warmup: i
         "tokens_per_s": rates[limited_by],
         "limited_by": limited_by,
         "window_tokens": min(w["tokens"] for w in windows.values()),  # = the stages' timed tokens
-        "consumer_wait_batch_pct": 100
-        * max(w["timers"].get("wait_batch", 0.0) / w["seconds"] for w in consumers),
+        "consumer_wait_batch_pct": 100 * max(w["timers"].get("wait_batch", 0.0) / w["seconds"] for w in consumers),
         "producer_wait_slot_pct": 100 * producer["timers"].get("wait_slot", 0.0) / producer["seconds"],
         "producer_forward_tokens_per_s": producer["tokens"] / producer["timers"]["forward"],
-        "consumer_train_tokens_per_s": min(
-            w["tokens"] / sum(w["timers"][k] for k in train_keys) for w in consumers
-        ),
+        "consumer_train_tokens_per_s": min(w["tokens"] / sum(w["timers"][k] for k in train_keys) for w in consumers),
         "producer_cpu_tokens_per_s": producer["tokens"] / producer["cpu_s"],
         # the drafter core's CPU per token: every consumer on it together
         "drafter_core_cpu_tokens_per_s": consumers[0]["tokens"] / sum(w["cpu_s"] for w in consumers),

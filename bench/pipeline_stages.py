@@ -109,16 +109,15 @@ class JobStages:
         batches = [pack_batch(reader, planned) for planned in plan.batches_from(0)]
         reader.close()
         target = load_job_target(job, job.target.device)
-        buffer = torch.empty(
-            job.data.tokens_per_batch, target.feature_width, dtype=target.dtype, device=target.device
-        )
+        buffer = torch.empty(job.data.tokens_per_batch, target.feature_width, dtype=target.dtype, device=target.device)
         first = job.drafters[0].name
         alone = new_trainer(job, first)
         # cloned outside inference mode: the trainer's autograd cannot save inference tensors
         features = [target(b.input_ids, b.cu_seqlens).to(alone.device).clone() for b in batches]
         drafter_batches = [on_device(b, alone.device) for b in batches]
-        return cls(batches, drafter_batches, target, buffer, features, alone,
-                   new_trainer(job, first) if serial else None)
+        return cls(
+            batches, drafter_batches, target, buffer, features, alone, new_trainer(job, first) if serial else None
+        )
 
     def forward(self, k: int) -> torch.Tensor:
         b = self.batches[k]
@@ -138,8 +137,12 @@ class JobStages:
         if self.serial is None:
             return alone
         serial = lambda k: self.train(self.serial, k, self.forward(k).to(self.serial.device))  # noqa: E731
-        return {**alone, "serial": (serial, "P"), "serial_2_threads": (serial, "PC2"),
-                "serial_1_thread_2_cores": (serial, "PC1")}
+        return {
+            **alone,
+            "serial": (serial, "P"),
+            "serial_2_threads": (serial, "PC2"),
+            "serial_1_thread_2_cores": (serial, "PC1"),
+        }
 
 
 def time_variant(run: Callable[[int], object], ks: range, cores: set[int], threads: int = 0) -> dict[str, float]:
@@ -158,8 +161,16 @@ def time_variant(run: Callable[[int], object], ks: range, cores: set[int], threa
         torch.set_num_threads(1)
 
 
-def co_run(run: Callable[[int], object], ks: range, tokens: list[int], cores: set[int], threads: int,
-           start_at: float, seconds: float, hold_s: float) -> dict[str, float]:
+def co_run(
+    run: Callable[[int], object],
+    ks: range,
+    tokens: list[int],
+    cores: set[int],
+    threads: int,
+    start_at: float,
+    seconds: float,
+    hold_s: float,
+) -> dict[str, float]:
     """Batches `ks` round and round from monotonic time `start_at` (the partner process starts its own loop at
     the same instant on the other core): the rate over the batches that end within `seconds`, then more
     batches, untimed, until `seconds + hold_s`, so the partner's last timed batch still runs against load."""
@@ -207,18 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     variants = {}
     for name, s in settings.items():
         prefix = "" if name == "balanced" else "heavy_"
-        variants.update(
-            {prefix + v: run for v, run in s.variants().items() if not (prefix and v.startswith("serial"))}
-        )
+        variants.update({prefix + v: run for v, run in s.variants().items() if not (prefix and v.startswith("serial"))})
     n = len(settings["balanced"].batches)
     if any(len(s.batches) != n for s in settings.values()):
-        raise SystemExit(
-            "bench.pipeline_stages: the two settings' plans differ; they must read the same data"
-        )
+        raise SystemExit("bench.pipeline_stages: the two settings' plans differ; they must read the same data")
     if n <= args.warmup:
-        raise SystemExit(
-            f"bench.pipeline_stages: the plan has {n} batches, no more than --warmup {args.warmup}"
-        )
+        raise SystemExit(f"bench.pipeline_stages: the plan has {n} batches, no more than --warmup {args.warmup}")
     for run, place in variants.values():
         time_variant(run, range(args.warmup), *where[place])
     timed = range(args.warmup, n)
@@ -232,8 +237,12 @@ def main(argv: list[str] | None = None) -> None:
             break
         if "co_run" in request:
             run, place = variants[request["co_run"]]
-            answer(protocol, co_run(run, timed, token_counts, *where[place], request["start_at"],
-                                    request["seconds"], request["hold_s"]))
+            answer(
+                protocol,
+                co_run(
+                    run, timed, token_counts, *where[place], request["start_at"], request["seconds"], request["hold_s"]
+                ),
+            )
             continue
         rep = int(request["rep"])
         times = {}

@@ -163,11 +163,18 @@ def load_full(model_dir: Path, attn_implementation: str):
 def capture_vs_naive(model_dir: Path, layer_ids, num_features: int, warm, timed, repeats: int) -> dict:
     cap = load_target(model_dir, layer_ids=layer_ids, num_features=num_features, dtype="float32")
     full = load_full(model_dir, cap.attn_implementation)
-    variants = {"capture": lambda b: cap(b.input_ids, b.cu_seqlens), "naive": lambda b: naive_forward(cap.layer_ids, full, b)}
+    variants = {
+        "capture": lambda b: cap(b.input_ids, b.cu_seqlens),
+        "naive": lambda b: naive_forward(cap.layer_ids, full, b),
+    }
     time_variants(variants, warm, 1)
     t = time_variants(variants, timed, repeats)
-    return {"cap": cap, "capture_tps": tokens(timed) / t["capture"], "naive_tps": tokens(timed) / t["naive"],
-            "cpu_ratio": t["naive_cpu"] / t["capture_cpu"]}
+    return {
+        "cap": cap,
+        "capture_tps": tokens(timed) / t["capture"],
+        "naive_tps": tokens(timed) / t["naive"],
+        "cpu_ratio": t["naive_cpu"] / t["capture_cpu"],
+    }
 
 
 def packed_vs_per_sequence(cap, warm, timed, repeats: int) -> dict[str, float]:
@@ -178,8 +185,12 @@ def packed_vs_per_sequence(cap, warm, timed, repeats: int) -> dict[str, float]:
     }
     time_variants(variants, warm, 1)
     t = time_variants(variants, timed, repeats)
-    return {"wall": t["per_sequence"] / t["packed"], "cpu": t["per_sequence_cpu"] / t["packed_cpu"],
-            "packed_tps": tokens(timed) / t["packed"], "per_sequence_tps": tokens(timed) / t["per_sequence"]}
+    return {
+        "wall": t["per_sequence"] / t["packed"],
+        "cpu": t["per_sequence_cpu"] / t["packed_cpu"],
+        "packed_tps": tokens(timed) / t["packed"],
+        "per_sequence_tps": tokens(timed) / t["per_sequence"],
+    }
 
 
 @torch.inference_mode()
@@ -225,9 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         ds = ChatDataset(data, "chat", ChatEncoder(tok, MAX_LENGTH))
         index_s = time.perf_counter() - t0
-        plan = BatchPlan(
-            ds.lengths, seed=0, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8
-        )
+        plan = BatchPlan(ds.lengths, seed=0, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8)
         planned = list(plan.batches_from(0))
         reader = ds.reader()
         batches = [pack_batch(reader, pb) for pb in planned[: args.batches + 1]]
@@ -245,12 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
         sliding_dir = save_random(sliding_config(len(tok)), Path(tmp) / "sliding")
         sliding = load_target(sliding_dir, num_features=4, dtype="float32")
         sliding_diff, longer = packed_maxdiff(sliding, load_full(sliding_dir, "sdpa"), timed)
-        pipe_plan = BatchPlan(
-            ds.lengths, seed=1, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8
-        )
-        pipe = run_pipeline(
-            toy["cap"], ds, itertools.islice(pipe_plan.batches_from(0), args.pipeline_batches), depth=8
-        )
+        pipe_plan = BatchPlan(ds.lengths, seed=1, epochs=1, tokens_per_batch=TOKENS_PER_BATCH, length_group_window=8)
+        pipe = run_pipeline(toy["cap"], ds, itertools.islice(pipe_plan.batches_from(0), args.pipeline_batches), depth=8)
 
     seqs = sum(len(b.cu_seqlens) - 1 for b in timed)
     result = {
@@ -290,12 +295,18 @@ def main(argv: list[str] | None = None) -> dict:
         f" {result['ratio_capture_over_naive']:.2f} (runs {real['cap'].layers_run} of 36 layers, no LM head);"
         f" toy shape: {result['toy_ratio_capture_over_naive']:.2f}"
     )
-    print(f"packed forward vs per-sequence loop (wall / CPU time): dense toy {toy_packing['wall']:.2f}x /"
-          f" {toy_packing['cpu']:.2f}x, hybrid linear attention {hybrid_packing['wall']:.2f}x / {hybrid_packing['cpu']:.2f}x")
-    print(f"  hybrid on the same tokens as {SHORT_LENGTH}-token sequences: {hybrid_short['wall']:.2f}x /"
-          f" {hybrid_short['cpu']:.2f}x")
-    print(f"sliding window {SLIDING_WINDOW}: packed vs alone max |diff| {sliding_diff:.2e}"
-          f" ({longer} sequences longer than the window)")
+    print(
+        f"packed forward vs per-sequence loop (wall / CPU time): dense toy {toy_packing['wall']:.2f}x /"
+        f" {toy_packing['cpu']:.2f}x, hybrid linear attention {hybrid_packing['wall']:.2f}x / {hybrid_packing['cpu']:.2f}x"
+    )
+    print(
+        f"  hybrid on the same tokens as {SHORT_LENGTH}-token sequences: {hybrid_short['wall']:.2f}x /"
+        f" {hybrid_short['cpu']:.2f}x"
+    )
+    print(
+        f"sliding window {SLIDING_WINDOW}: packed vs alone max |diff| {sliding_diff:.2e}"
+        f" ({longer} sequences longer than the window)"
+    )
     print(
         f"pipeline: {result['producer_tokens_per_s']:.0f} tok/s,"
         f" tokenizer stall {result['tokenize_stall_pct']:.2f}% of wall time"

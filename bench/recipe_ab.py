@@ -48,8 +48,10 @@ def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: li
     """The demo's job with one drafter per (variant, block), its assets linked into run_dir."""
     ready = assets / READY
     if not ready.is_file():
-        raise SystemExit(f"recipe_ab: {assets} holds no complete demo build ({READY} missing): run"
-                         " `python -m demo prepare runs/demo` first")
+        raise SystemExit(
+            f"recipe_ab: {assets} holds no complete demo build ({READY} missing): run"
+            " `python -m demo prepare runs/demo` first"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     link = run_dir / "assets"
     if link.is_symlink() or link.exists():
@@ -67,8 +69,9 @@ def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: li
         report["train_batches"] = planned_batches(assets / "train.jsonl", tokenizer, size, 0, validation=None)
     doc = job_doc(run_dir.resolve(), size, report, drafters_spec=spec)
     doc["job"]["name"] = "recipe_ab"
-    doc["data"] = {k: v for k, v in doc["data"].items()
-                   if k not in ("validation", "eval_every", "validation_max_records")}
+    doc["data"] = {
+        k: v for k, v in doc["data"].items() if k not in ("validation", "eval_every", "validation_max_records")
+    }
     return write_job_file(run_dir / "job.toml", doc)
 
 
@@ -79,16 +82,26 @@ def table(reports: dict[str, dict], variants: dict[str, dict], blocks: list[int]
         for v in variants:
             r = reports[drafter_name(v, b)]
             base = r["tau"] if base is None else base
-            rows.append({"variant": v, "block": b, "tau": r["tau"], "delta": r["tau"] - base,
-                         "delta_pct": 100.0 * (r["tau"] - base) / base, "lossless": r["lossless"]})
+            rows.append(
+                {
+                    "variant": v,
+                    "block": b,
+                    "tau": r["tau"],
+                    "delta": r["tau"] - base,
+                    "delta_pct": 100.0 * (r["tau"] - base) / base,
+                    "lossless": r["lossless"],
+                }
+            )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| variant | block | τ | Δτ vs first | lossless |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['block']} | {r['tau']:.3f} | {r['delta']:+.3f} ({r['delta_pct']:+.1f} %)"
-                     f" | {'yes' if r['lossless'] else 'NO'} |")
+        lines.append(
+            f"| {r['variant']} | {r['block']} | {r['tau']:.3f} | {r['delta']:+.3f} ({r['delta_pct']:+.1f} %)"
+            f" | {'yes' if r['lossless'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,9 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     reports, _ = evaluate_demo(job, limit=args.limit)
     rows = table(reports, variants, args.blocks)
     print(format_table(rows))
-    (args.run_dir / "recipe_ab.json").write_text(json.dumps(
-        {"variants": variants, "rows": rows, "train_seconds": train_s,
-         "eval_seconds": time.perf_counter() - t0 - train_s}, indent=2) + "\n")
+    (args.run_dir / "recipe_ab.json").write_text(
+        json.dumps(
+            {
+                "variants": variants,
+                "rows": rows,
+                "train_seconds": train_s,
+                "eval_seconds": time.perf_counter() - t0 - train_s,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0 if all(r["lossless"] for r in rows) else 1
 
 

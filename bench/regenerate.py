@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> dict:
         }
     for tag, rate in rates.items():
         name = "continuous batching" if tag == "cb" else "one generate at a time"
-        print(f"regenerate via transformers serve ({name}): {rate[1]:.3f} records/s at concurrency 1,"
-              f" {rate[8]:.3f} at 8: speedup {rate[8] / rate[1]:.2f}x")
+        print(
+            f"regenerate via transformers serve ({name}): {rate[1]:.3f} records/s at concurrency 1,"
+            f" {rate[8]:.3f} at 8: speedup {rate[8] / rate[1]:.2f}x"
+        )
     if args.json:
         print(json.dumps(result))
     return result

@@ -27,8 +27,16 @@ from pathlib import Path
 
 from bench import harness
 
-DRAFTER = {"name": "d0", "block_size": 16, "num_layers": 2, "anchors_per_seq": 96, "loss_chunk_rows": 4096,
-           "checkpoint_every": 100000, "log_every": 50, "total_steps": 100000}
+DRAFTER = {
+    "name": "d0",
+    "block_size": 16,
+    "num_layers": 2,
+    "anchors_per_seq": 96,
+    "loss_chunk_rows": 4096,
+    "checkpoint_every": 100000,
+    "log_every": 50,
+    "total_steps": 100000,
+}
 
 
 def build_assets(root: Path, records: int) -> Path:
@@ -42,14 +50,17 @@ def build_assets(root: Path, records: int) -> Path:
 
 
 def write_job(assets: Path, run_dir: Path, replicas: int, epochs: int) -> Path:
-    return harness.write_job(run_dir / "job.toml", {
-        "job": {"name": f"scaleout-{run_dir.name}", "run_dir": str(run_dir), "seed": 1},
-        "target": {"path": str(assets / "target"), "dtype": "float32", "layer_ids": [0]},
-        "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": 512, "epochs": epochs},
-        "transport": {"slots": 8, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0},
-        "telemetry": {"interval_s": 1.0, "wandb_mode": "disabled"},
-        "drafters": [{**DRAFTER, "replicas": replicas}],
-    })
+    return harness.write_job(
+        run_dir / "job.toml",
+        {
+            "job": {"name": f"scaleout-{run_dir.name}", "run_dir": str(run_dir), "seed": 1},
+            "target": {"path": str(assets / "target"), "dtype": "float32", "layer_ids": [0]},
+            "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": 512, "epochs": epochs},
+            "transport": {"slots": 8, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0},
+            "telemetry": {"interval_s": 1.0, "wandb_mode": "disabled"},
+            "drafters": [{**DRAFTER, "replicas": replicas}],
+        },
+    )
 
 
 def run_variant(assets: Path, replicas: int, epochs: int) -> dict:
@@ -60,11 +71,29 @@ def run_variant(assets: Path, replicas: int, epochs: int) -> dict:
         port = harness.free_port()
         procs = [harness.spawn(["-m", "producer", "--job", job], run_dir / "producer.out", env)]
         for r in range(replicas):
-            group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(replicas),
-                     "RANK": str(r)} if replicas > 1 else {}
-            procs.append(harness.spawn(["-m", "consumer", "--job", job, "--drafter", "d0", "--replica", r,
-                                        "--trace", run_dir / f"trace{r}.jsonl"], run_dir / f"consumer{r}.out",
-                                       {**env, **group}))
+            group = (
+                {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(replicas), "RANK": str(r)}
+                if replicas > 1
+                else {}
+            )
+            procs.append(
+                harness.spawn(
+                    [
+                        "-m",
+                        "consumer",
+                        "--job",
+                        job,
+                        "--drafter",
+                        "d0",
+                        "--replica",
+                        r,
+                        "--trace",
+                        run_dir / f"trace{r}.jsonl",
+                    ],
+                    run_dir / f"consumer{r}.out",
+                    {**env, **group},
+                )
+            )
         try:
             codes = [p.wait(timeout=600) for p in procs]
         finally:
@@ -73,8 +102,9 @@ def run_variant(assets: Path, replicas: int, epochs: int) -> dict:
         if any(codes):
             logs = "".join((run_dir / f).read_text()[-1500:] for f in sorted(os.listdir(run_dir)) if f.endswith(".out"))
             raise RuntimeError(f"{replicas} replica(s): exit codes {codes}\n{logs}")
-        traces = [[json.loads(li) for li in (run_dir / f"trace{r}.jsonl").read_text().splitlines()]
-                  for r in range(replicas)]
+        traces = [
+            [json.loads(li) for li in (run_dir / f"trace{r}.jsonl").read_text().splitlines()] for r in range(replicas)
+        ]
         return measure(traces) | profile_shares(run_dir, replicas)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -85,9 +115,13 @@ def measure(traces: list[list[dict]]) -> dict:
     steps = len(traces[0])
     k0, k1 = max(2, steps // 10), steps - 1 - max(1, steps // 20)
     t0, t1 = traces[0][k0]["time"], traces[0][k1]["time"]
-    tokens = sum(row["tokens"] for tr in traces for row in tr[k0 + 1: k1 + 1])
-    return {"tokens_per_s": tokens / (t1 - t0), "steps": steps, "window_s": t1 - t0,
-            "tokens_per_step": tokens / (k1 - k0)}
+    tokens = sum(row["tokens"] for tr in traces for row in tr[k0 + 1 : k1 + 1])
+    return {
+        "tokens_per_s": tokens / (t1 - t0),
+        "steps": steps,
+        "window_s": t1 - t0,
+        "tokens_per_step": tokens / (k1 - k0),
+    }
 
 
 def profile_shares(run_dir: Path, replicas: int) -> dict:
@@ -95,6 +129,7 @@ def profile_shares(run_dir: Path, replicas: int) -> dict:
     started). Each line covers one interval (`prof 5.0s | forward 12×3.40ms (max 5.60) 7.8% | ...`); the
     first (start-up) and the last (the drain) are left out when there are three or more, and a timer's
     share is its summed time over the summed wall time of the lines kept."""
+
     def steady_pct(path: Path, timer: str) -> float | None:
         lines = [li for li in path.read_text().splitlines() if "prof " in li and " | " in li]
         if len(lines) >= 3:
@@ -111,8 +146,10 @@ def profile_shares(run_dir: Path, replicas: int) -> dict:
 
     forward = steady_pct(run_dir / "producer.out", "forward")
     waits = [steady_pct(run_dir / f"consumer{r}.out", "allreduce_wait") for r in range(replicas)]
-    return {"producer_forward_pct": forward,
-            "allreduce_wait_pct": max((w for w in waits if w is not None), default=0.0)}
+    return {
+        "producer_forward_pct": forward,
+        "allreduce_wait_pct": max((w for w in waits if w is not None), default=0.0),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,22 +170,30 @@ def main(argv: list[str] | None = None) -> None:
             results[replicas]["wall_s"] = time.perf_counter() - start
     one, two = results[1], results[2]
     scaling = two["tokens_per_s"] / one["tokens_per_s"]
-    print(f"{'replicas':>8} {'tokens/s':>10} {'steps':>6} {'tok/step':>9} {'window s':>9} {'prod fwd %':>10}"
-          f" {'ar wait %':>9} {'wall s':>7}")
+    print(
+        f"{'replicas':>8} {'tokens/s':>10} {'steps':>6} {'tok/step':>9} {'window s':>9} {'prod fwd %':>10}"
+        f" {'ar wait %':>9} {'wall s':>7}"
+    )
     for r, v in results.items():
-        print(f"{r:>8} {v['tokens_per_s']:>10.0f} {v['steps']:>6} {v['tokens_per_step']:>9.0f} {v['window_s']:>9.1f}"
-              f" {v['producer_forward_pct'] or 0:>10.1f} {v['allreduce_wait_pct']:>9.1f} {v['wall_s']:>7.1f}")
+        print(
+            f"{r:>8} {v['tokens_per_s']:>10.0f} {v['steps']:>6} {v['tokens_per_step']:>9.0f} {v['window_s']:>9.1f}"
+            f" {v['producer_forward_pct'] or 0:>10.1f} {v['allreduce_wait_pct']:>9.1f} {v['wall_s']:>7.1f}"
+        )
     print(f"replica_scaling_2 = {scaling:.2f} (target >= 1.7 when the producer is not the bottleneck)")
     if args.json:
-        print(json.dumps({
-            "replica_scaling_2": round(scaling, 3),
-            "tokens_per_s_1": round(one["tokens_per_s"], 1),
-            "tokens_per_s_2": round(two["tokens_per_s"], 1),
-            "producer_forward_pct_2": two["producer_forward_pct"],
-            "allreduce_wait_pct_2": two["allreduce_wait_pct"],
-            "cpus": os.cpu_count(),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-        }))
+        print(
+            json.dumps(
+                {
+                    "replica_scaling_2": round(scaling, 3),
+                    "tokens_per_s_1": round(one["tokens_per_s"], 1),
+                    "tokens_per_s_2": round(two["tokens_per_s"], 1),
+                    "producer_forward_pct_2": two["producer_forward_pct"],
+                    "allreduce_wait_pct_2": two["allreduce_wait_pct"],
+                    "cpus": os.cpu_count(),
+                    "load_avg_1m": round(os.getloadavg()[0], 2),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -72,9 +72,21 @@ from common.config import load_job
 from common.ring_file import RING_FILE_PREFIX
 from telemetry.aggregate import MAX_SOURCES
 
-KINDS = ("consumer_kill", "consumer_stop", "telemetry_kill", "hostile_control", "hostile_telemetry",
-         "checkpoint_enospc", "producer_kill", "second_launch", "startup_sigterm", "checkpoint_corrupt",
-         "data_changed", "launch_kill", "stats_flood")
+KINDS = (
+    "consumer_kill",
+    "consumer_stop",
+    "telemetry_kill",
+    "hostile_control",
+    "hostile_telemetry",
+    "checkpoint_enospc",
+    "producer_kill",
+    "second_launch",
+    "startup_sigterm",
+    "checkpoint_corrupt",
+    "data_changed",
+    "launch_kill",
+    "stats_flood",
+)
 RECOVERY_TIMEOUT_S = 180.0
 ENOSPC_DRAFTER = "d1"
 CORRUPT_DRAFTER = "d0"  # not the tmpfs one
@@ -87,8 +99,16 @@ FLOOD_S = 3.0
 
 
 class Chaos:
-    def __init__(self, sup: Supervisor, watch: JobWatch, rng: random.Random, kinds: tuple[str, ...],
-                 stop_s: float, log, pause_s: float = 2.0):
+    def __init__(
+        self,
+        sup: Supervisor,
+        watch: JobWatch,
+        rng: random.Random,
+        kinds: tuple[str, ...],
+        stop_s: float,
+        log,
+        pause_s: float = 2.0,
+    ):
         self.sup, self.watch, self.rng, self.kinds, self.stop_s, self.log = sup, watch, rng, kinds, stop_s, log
         self.pause_s = pause_s  # the mean of the calm before each fault (every fault waits for its own precondition)
         self.faults: dict[str, int] = defaultdict(int)
@@ -204,7 +224,6 @@ class Chaos:
         self.notes["enospc_previous_checkpoint_intact"] += 1
         return self._back(name, t_fail, not_pid=pid)
 
-
     def producer_kill(self) -> float:
         prod = self.sup.procs["producer"]
         pid = prod.pid
@@ -220,15 +239,23 @@ class Chaos:
         env = {**os.environ, "PYTHON": sys.executable}
         env.pop("DFLASH_LAUNCH_ID", None)
         t0 = time.monotonic()
-        out = subprocess.run([str(ROOT / "launch.sh"), str(self.sup.job_path), "--grace", "5"], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=RECOVERY_TIMEOUT_S)
+        out = subprocess.run(
+            [str(ROOT / "launch.sh"), str(self.sup.job_path), "--grace", "5"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RECOVERY_TIMEOUT_S,
+        )
         took = time.monotonic() - t0
         said = out.stdout + out.stderr
         if out.returncode != SECOND_LAUNCH_EXIT or "launch.sh: started" in said:
             raise AssertionError(f"the second launch was not refused (status {out.returncode}): {said[-500:]}")
         if not any(f" pid {pid} " in said for pid in before.values()):
             raise AssertionError(f"the refusal names no process of the running job: {said[-500:]}")
-        self.notes["second_launch_refused_max_s"] = max(self.notes.get("second_launch_refused_max_s", 0), round(took, 2))
+        self.notes["second_launch_refused_max_s"] = max(
+            self.notes.get("second_launch_refused_max_s", 0), round(took, 2)
+        )
         harmed = [n for n, pid in before.items() if self.sup.procs[n].pid != pid or not self.sup.procs[n].alive()]
         if harmed:
             raise AssertionError(f"the second launch harmed the running job: {harmed} restarted or gone")
@@ -260,8 +287,9 @@ class Chaos:
         status = next(st for _t, p, st in proc.exits if p == new)
         if status not in (0, -signal.SIGTERM) or exited - t1 > STARTUP_EXIT_S:
             raise AssertionError(f"{name} (pid {new}) took {exited - t1:.1f} s to end after SIGTERM, status {status}")
-        self.notes["startup_sigterm_exit_max_s"] = max(self.notes.get("startup_sigterm_exit_max_s", 0),
-                                                       round(exited - t1, 2))
+        self.notes["startup_sigterm_exit_max_s"] = max(
+            self.notes.get("startup_sigterm_exit_max_s", 0), round(exited - t1, 2)
+        )
         if status == 0:
             self.sup.start_again(name)  # a clean exit is not restarted by Restart=on-failure
         return self._back(name, t1, not_pid=new)
@@ -269,8 +297,11 @@ class Chaos:
     def checkpoint_corrupt(self) -> float:
         name = f"consumer-{CORRUPT_DRAFTER}"
         folder = self.watch.ckpt_dir(CORRUPT_DRAFTER)
-        self.watch._wait(lambda: time.time() if len(list(folder.glob("step_*"))) >= 2 else None,
-                         RECOVERY_TIMEOUT_S, f"two checkpoints of {CORRUPT_DRAFTER}")
+        self.watch._wait(
+            lambda: time.time() if len(list(folder.glob("step_*"))) >= 2 else None,
+            RECOVERY_TIMEOUT_S,
+            f"two checkpoints of {CORRUPT_DRAFTER}",
+        )
         proc = self.sup.procs[name]
         pid = proc.pid
         t0 = time.time()
@@ -297,15 +328,20 @@ class Chaos:
         changed = lines + lines[:1] if how == "appended" else self.rng.sample(lines, len(lines))
         replace_file(data, "".join(changed).encode())
         try:
+
             def refused_and_exited() -> float | None:
                 said = self.watch.count("producer", PLAN_REFUSED) > refused
                 return time.time() if said and len(prod.exits) > seen else None
 
-            self.watch._wait(refused_and_exited, RECOVERY_TIMEOUT_S, "the restarted producer to refuse the changed data")
-            exits = [st for _t, _p, st in prod.exits[seen:seen + 1]]
+            self.watch._wait(
+                refused_and_exited, RECOVERY_TIMEOUT_S, "the restarted producer to refuse the changed data"
+            )
+            exits = [st for _t, _p, st in prod.exits[seen : seen + 1]]
             if exits != [2] or self.watch.count_deliveries() != batches:
-                raise AssertionError(f"the changed plan ({how}) was not refused before training: exit {exits},"
-                                     f" {self.watch.count_deliveries() - batches} batches delivered")
+                raise AssertionError(
+                    f"the changed plan ({how}) was not refused before training: exit {exits},"
+                    f" {self.watch.count_deliveries() - batches} batches delivered"
+                )
         finally:
             replace_file(data, original)  # the same bytes again (a new mtime): the same plan
         self.notes[f"data_changed_{how}_refused"] += 1
@@ -313,7 +349,6 @@ class Chaos:
         delivered = self.watch.wait_delivery(after=t0, timeout=RECOVERY_TIMEOUT_S)
         back = [self._back(name, t0) for name in self.sup.consumers]
         return max(delivered - t0, *back)
-
 
     def launch_kill(self) -> float:
         codes = self.sup.pause()
@@ -326,30 +361,38 @@ class Chaos:
         first = second = None
         try:
             with open(out, "a") as sink:
-                first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                first = subprocess.Popen(
+                    argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                )
             t0 = time.time()
             for name in self.sup.consumers:
                 self.watch.wait_step(name, after=t0, timeout=RECOVERY_TIMEOUT_S)
-            group = [int(p) for p in subprocess.run(["pgrep", "-g", str(first.pid)], capture_output=True,
-                                                     text=True).stdout.split() if int(p) != first.pid]
+            group = [
+                int(p)
+                for p in subprocess.run(["pgrep", "-g", str(first.pid)], capture_output=True, text=True).stdout.split()
+                if int(p) != first.pid
+            ]
             os.kill(first.pid, signal.SIGKILL)
             first.wait(30)
             t_kill = time.time()
             while any(_running(p) for p in group):
                 if time.time() - t_kill > LAUNCH_ORPHAN_S:
-                    raise AssertionError(f"processes of the killed launch.sh still run: {[p for p in group if _running(p)]}")
+                    raise AssertionError(
+                        f"processes of the killed launch.sh still run: {[p for p in group if _running(p)]}"
+                    )
                 time.sleep(0.1)
             t_gone = time.time()  # (their last steps, taken while stopping, are not the rerun's)
-            self.notes["launch_kill_orphans_stopped_max_s"] = max(self.notes.get("launch_kill_orphans_stopped_max_s", 0),
-                                                                 round(t_gone - t_kill, 2))
+            self.notes["launch_kill_orphans_stopped_max_s"] = max(
+                self.notes.get("launch_kill_orphans_stopped_max_s", 0), round(t_gone - t_kill, 2)
+            )
             gone = f"stopped: its launch.sh (pid {first.pid}) is gone"
             said = [n for n in self.sup.job.drafters if gone in self.watch.tail(f"consumer-{n.name}-r0", 30)]
             if len(said) != len(self.sup.consumers):
                 raise AssertionError(f"not every consumer stopped because launch.sh was gone: {said}")
             with open(out, "a") as sink:
-                second = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                second = subprocess.Popen(
+                    argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                )
             for name in self.sup.consumers:
                 self.watch.wait_step(name, after=t_gone, timeout=RECOVERY_TIMEOUT_S)
             took = time.time() - t_kill
@@ -380,16 +423,16 @@ class Chaos:
             raise AssertionError(f"telemetry (pid {pid}) died of the flood")
         for name in self.sup.consumers:  # training went on
             self.watch.wait_step(name, after=t0, timeout=RECOVERY_TIMEOUT_S)
-        took = self.watch.wait_only_live(after=t1, sources=1 + len(self.sup.consumers),
-                                         timeout=RECOVERY_TIMEOUT_S) - t1
+        took = self.watch.wait_only_live(after=t1, sources=1 + len(self.sup.consumers), timeout=RECOVERY_TIMEOUT_S) - t1
         windows = self.watch.windows(after=t0)
         kept = max(len(d["sources"]) for d in windows)
         if kept > MAX_SOURCES:
             raise AssertionError(f"telemetry kept {kept} sources during the flood (at most {MAX_SOURCES})")
         self.notes["flood_messages_sent"] += sent
         self.notes["flood_max_sources"] = max(self.notes.get("flood_max_sources", 0), kept)
-        self.notes["flood_longest_window_bytes"] = max(self.notes.get("flood_longest_window_bytes", 0),
-                                                       max(d["_bytes"] for d in windows))
+        self.notes["flood_longest_window_bytes"] = max(
+            self.notes.get("flood_longest_window_bytes", 0), max(d["_bytes"] for d in windows)
+        )
         return max(took, 0.0)
 
 
@@ -429,8 +472,9 @@ def leaked(run_dir: Path, job_name: str) -> tuple[list[str], list[str]]:
     return shm, socks
 
 
-def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int, keep: bool, log,
-             pause_s: float = 2.0) -> dict:
+def run_soak(
+    duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int, keep: bool, log, pause_s: float = 2.0
+) -> dict:
     rng = random.Random(seed)
     root = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     job_path = build_job(root, seed)
@@ -443,8 +487,7 @@ def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int
     sup = Supervisor(job, job_path, log)
     watch = JobWatch(job, sup)
     stop = threading.Event()
-    chaos = Chaos(sup, watch, rng, kinds, stop_s=2 * job.transport.heartbeat_timeout_s + 0.5, log=log,
-                  pause_s=pause_s)
+    chaos = Chaos(sup, watch, rng, kinds, stop_s=2 * job.transport.heartbeat_timeout_s + 0.5, log=log, pause_s=pause_s)
     started = time.monotonic()
     result: dict = {"seed": seed, "enospc_method": "tmpfs (mount -t tmpfs, real ENOSPC)" if enospc else None}
     try:
@@ -465,31 +508,37 @@ def run_soak(duration_s: float, seed: int, kinds: tuple[str, ...], min_each: int
         unmount(tmpfs)
     shm, socks = leaked(run_dir, job.job.name)
     recs = [t for v in chaos.recovery_s.values() for t in v]
-    result.update({
-        "duration_s": round(time.monotonic() - started, 1),
-        "faults": dict(chaos.faults),
-        "recoveries": dict(chaos.recoveries),
-        "failed_faults": chaos.failures,
-        "max_recovery_s": round(max(recs, default=0.0), 2),
-        "max_recovery_s_by_kind": {k: round(max(v), 2) for k, v in chaos.recovery_s.items()},
-        "max_training_resumed_s": round(max(chaos.training_resumed_s, default=0.0), 2),
-        "batches_trained": {d: r.trained_batches for d, r in report.drafters.items()},
-        "epochs_verified": {d: r.epochs_complete for d, r in report.drafters.items()},
-        "duplicates": report.duplicates,
-        "lost_samples": report.lost_samples,
-        "missing_batches": sum(r.missing_batches for r in report.drafters.values()),
-        "lost_in_crashes_then_retrained": {d: [r.crash_lost_batches, r.crash_lost_retrained]
-                                           for d, r in report.drafters.items()},
-        "restarts": sup.restart_counts(),
-        "stale_batches_dropped": watch.count_all("re-attaching: this process stalled"),
-        "reused_slot_batches_dropped": watch.count_all("so it was reused before we read it"),
-        "notes": dict(chaos.notes),
-        "leaked_shm": len(shm),
-        "leaked_sockets": len(socks),
-        "accounting_errors": report.errors + [f"{d}: {e}" for d, r in report.drafters.items() for e in r.errors],
-    })
+    result.update(
+        {
+            "duration_s": round(time.monotonic() - started, 1),
+            "faults": dict(chaos.faults),
+            "recoveries": dict(chaos.recoveries),
+            "failed_faults": chaos.failures,
+            "max_recovery_s": round(max(recs, default=0.0), 2),
+            "max_recovery_s_by_kind": {k: round(max(v), 2) for k, v in chaos.recovery_s.items()},
+            "max_training_resumed_s": round(max(chaos.training_resumed_s, default=0.0), 2),
+            "batches_trained": {d: r.trained_batches for d, r in report.drafters.items()},
+            "epochs_verified": {d: r.epochs_complete for d, r in report.drafters.items()},
+            "duplicates": report.duplicates,
+            "lost_samples": report.lost_samples,
+            "missing_batches": sum(r.missing_batches for r in report.drafters.values()),
+            "lost_in_crashes_then_retrained": {
+                d: [r.crash_lost_batches, r.crash_lost_retrained] for d, r in report.drafters.items()
+            },
+            "restarts": sup.restart_counts(),
+            "stale_batches_dropped": watch.count_all("re-attaching: this process stalled"),
+            "reused_slot_batches_dropped": watch.count_all("so it was reused before we read it"),
+            "notes": dict(chaos.notes),
+            "leaked_shm": len(shm),
+            "leaked_sockets": len(socks),
+            "accounting_errors": report.errors + [f"{d}: {e}" for d, r in report.drafters.items() for e in r.errors],
+        }
+    )
     result["ok"] = bool(
-        report.ok and not shm and not socks and not chaos.failures
+        report.ok
+        and not shm
+        and not socks
+        and not chaos.failures
         and all(chaos.faults[k] == chaos.recoveries[k] >= min_each for k in kinds)
         and all(code == 0 for code in result.get("exit_codes", {"none": 1}).values())
     )
@@ -506,8 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
     ap.add_argument("--min-each", type=int, default=1, help="inject every kind at least this often")
-    ap.add_argument("--pause", type=float, default=2.0,
-                    help="mean seconds of calm before each fault, drawn from [0.5, 1.5] x this (default %(default)s)")
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=2.0,
+        help="mean seconds of calm before each fault, drawn from [0.5, 1.5] x this (default %(default)s)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the run folder (it is kept anyway on failure)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)

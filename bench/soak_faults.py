@@ -151,10 +151,26 @@ def stats_flood(endpoint: str, seconds: float) -> int:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for _ in range(200):
-                p = StatsPayload(role="consumer", name=f"flood{sent}" if sent % 2 else "flood", pid=1, host="h",
-                                 seq=sent, wall_time=time.time(), mono_time=time.monotonic(), uptime_s=1.0, step=0,
-                                 final=False, timers={}, gpu_timers={}, counters={"tokens": 1.0}, gauges={},
-                                 cuda_memory={}, cuda_device=None, gpu_uuid=None, process={"cpu_s": 0.0, "rss_bytes": 1})
+                p = StatsPayload(
+                    role="consumer",
+                    name=f"flood{sent}" if sent % 2 else "flood",
+                    pid=1,
+                    host="h",
+                    seq=sent,
+                    wall_time=time.time(),
+                    mono_time=time.monotonic(),
+                    uptime_s=1.0,
+                    step=0,
+                    final=False,
+                    timers={},
+                    gpu_timers={},
+                    counters={"tokens": 1.0},
+                    gauges={},
+                    cuda_memory={},
+                    cuda_device=None,
+                    gpu_uuid=None,
+                    process={"cpu_s": 0.0, "rss_bytes": 1},
+                )
                 pub.send_multipart(encode_stats(p), zmq.NOBLOCK)
                 sent += 1
         pub.close()
@@ -167,8 +183,11 @@ def stats_flood(endpoint: str, seconds: float) -> int:
 def mount_tmpfs(path: Path, size_mib: int) -> None:
     """A tmpfs of `size_mib` at `path` (root only); raises RuntimeError with mount's message otherwise."""
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"cannot mount a tmpfs at {path}: {done.stderr.strip() or done.returncode}")
 

@@ -27,8 +27,14 @@ from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_to
 ROOT = Path(__file__).resolve().parent.parent
 RESTART_S = 1.0  # systemd's RestartSec (the units use 10 s; shorter here so faults come faster)
 POLL_S = 0.1
-DRAFTER = {"num_layers": 1, "anchors_per_seq": 16, "loss_chunk_rows": 64, "checkpoint_every": 10, "log_every": 50,
-           "total_steps": 100000}
+DRAFTER = {
+    "num_layers": 1,
+    "anchors_per_seq": 16,
+    "loss_chunk_rows": 64,
+    "checkpoint_every": 10,
+    "log_every": 50,
+    "total_steps": 100000,
+}
 
 
 def build_job(root: Path, seed: int) -> Path:
@@ -38,15 +44,23 @@ def build_job(root: Path, seed: int) -> Path:
     tok = train_tokenizer(corpus_texts(records), 400, assets / "tokenizer")
     build_tiny_target(assets / "target", tok, hidden_size=64, num_layers=6, seed=0)
     write_jsonl(assets / "train.jsonl", records)
-    return harness.write_job(root / "job.toml", {
-        "job": {"name": f"soak-{secrets.token_hex(3)}", "run_dir": str(root / "run"), "seed": seed},
-        "target": {"path": str(assets / "target"), "dtype": "float32", "num_features": 3},
-        "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": 512, "epochs": 400},
-        "transport": {"slots": 4, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "attach_timeout_s": 300,
-                      "on_dead_group": "skip"},
-        "telemetry": {"interval_s": 0.5, "window_s": 1.0, "stale_after_s": 3.0, "wandb_mode": "disabled"},
-        "drafters": [{"name": "d0", "block_size": 8, **DRAFTER}, {"name": "d1", "block_size": 4, **DRAFTER}],
-    })
+    return harness.write_job(
+        root / "job.toml",
+        {
+            "job": {"name": f"soak-{secrets.token_hex(3)}", "run_dir": str(root / "run"), "seed": seed},
+            "target": {"path": str(assets / "target"), "dtype": "float32", "num_features": 3},
+            "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": 512, "epochs": 400},
+            "transport": {
+                "slots": 4,
+                "heartbeat_interval_s": 0.2,
+                "heartbeat_timeout_s": 2.0,
+                "attach_timeout_s": 300,
+                "on_dead_group": "skip",
+            },
+            "telemetry": {"interval_s": 0.5, "window_s": 1.0, "stale_after_s": 3.0, "wandb_mode": "disabled"},
+            "drafters": [{"name": "d0", "block_size": 8, **DRAFTER}, {"name": "d1", "block_size": 4, **DRAFTER}],
+        },
+    )
 
 
 class Proc:
@@ -62,8 +76,9 @@ class Proc:
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(self.log_path, "a") as out:
-            self.popen = subprocess.Popen([sys.executable, *self.argv], cwd=ROOT, env=env, stdout=out,
-                                          stderr=subprocess.STDOUT)
+            self.popen = subprocess.Popen(
+                [sys.executable, *self.argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
         self.starts.append(time.time())
 
     @property
@@ -99,8 +114,9 @@ class Supervisor:
         }
         for d in job.drafters:
             name = f"consumer-{d.name}"
-            self.procs[name] = Proc(name, ["-m", "consumer", "--job", jp, "--drafter", d.name],
-                                    logs / f"{name}.log", "on-failure")
+            self.procs[name] = Proc(
+                name, ["-m", "consumer", "--job", jp, "--drafter", d.name], logs / f"{name}.log", "on-failure"
+            )
         self.consumers = [n for n in self.procs if n.startswith("consumer-")]
         self.stopping = False
         self._lock = threading.Lock()
@@ -226,8 +242,9 @@ class JobWatch:
 
         return self._wait(find, timeout, f"training step of {drafter}")
 
-    def wait_attached(self, consumer: str, after: float, timeout: float, pid: int | None = None,
-                      not_pid: int | None = None) -> float:
+    def wait_attached(
+        self, consumer: str, after: float, timeout: float, pid: int | None = None, not_pid: int | None = None
+    ) -> float:
         """Time the producer logged `consumer` (by `pid`, or by another pid than `not_pid`) attached after `after`."""
         drafter = consumer.removeprefix("consumer-")
         found = re.compile(rf"^(\S+ \S+),(\d+) producer INFO {drafter}\.r0 \(pid (\d+)\) attached", re.M)
@@ -284,9 +301,16 @@ class JobWatch:
 
     def wait_only_live(self, after: float, sources: int, timeout: float) -> float:
         """Time of the first window after `after` that holds exactly `sources` sources, all live."""
+
         def find():
-            return next((d["time"] for d in self.windows(after) if len(d["sources"]) == sources
-                         and all(s["state"] == "live" for s in d["sources"])), None)
+            return next(
+                (
+                    d["time"]
+                    for d in self.windows(after)
+                    if len(d["sources"]) == sources and all(s["state"] == "live" for s in d["sources"])
+                ),
+                None,
+            )
 
         return self._wait(find, timeout, f"telemetry window with only the {sources} live sources")
 

@@ -163,9 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
         endpoint = f"ipc://{d}/in.sock"
-        sub = subprocess.Popen(
-            [sys.executable, "-c", SUBSCRIBER, endpoint], stdout=subprocess.PIPE, text=True
-        )
+        sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint], stdout=subprocess.PIPE, text=True)
         try:
             sub.stdout.readline()  # bound: the subscriber prints at once or dies
             result = bench_profile_ns(200_000)
@@ -186,9 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"step off / on       {result['step_ms']:.3f} ms / {result['step_on_ms']:.3f} ms")
     noise = f"A/A noise {result['noise_pct']:+.2f} %"
     print(f"overhead, CPU clock {result['overhead_pct']:+.2f} %  (target <= 1; {noise})")
-    print(
-        f"overhead, wall      {result['overhead_wall_pct']:+.2f} %  (A/A noise {result['noise_wall_pct']:+.2f} %)"
-    )
+    print(f"overhead, wall      {result['overhead_wall_pct']:+.2f} %  (A/A noise {result['noise_wall_pct']:+.2f} %)")
     print(f"overhead estimated  {result['overhead_est_pct']:.3f} %  (unit costs × uses per step)")
     if args.json:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))

@@ -47,15 +47,26 @@ FEATURES = 128  # n·H of the simulated target (float32): 1 MiB of features per 
 
 
 def write_job(run_dir: Path, producers: int, replicas: int) -> Path:
-    return harness.write_job(run_dir / "job.toml", {
-        "job": {"name": f"topo-{run_dir.name}", "run_dir": str(run_dir)},
-        "target": {"path": str(run_dir / "no-target"), "dtype": "float32", "replicas": producers},
-        "data": {"path": str(run_dir / "no-data.jsonl"), "max_length": TOKENS // 2, "tokens_per_batch": TOKENS},
-        "transport": {"slots": 4, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "attach_timeout_s": 120},
-        "telemetry": {"interval_s": 0, "wandb_mode": "disabled"},
-        "drafters": [{"name": "d0", "block_size": 8, "num_layers": 1, "checkpoint_every": 1000000,
-                      "log_every": 1000000, "replicas": replicas}],
-    })
+    return harness.write_job(
+        run_dir / "job.toml",
+        {
+            "job": {"name": f"topo-{run_dir.name}", "run_dir": str(run_dir)},
+            "target": {"path": str(run_dir / "no-target"), "dtype": "float32", "replicas": producers},
+            "data": {"path": str(run_dir / "no-data.jsonl"), "max_length": TOKENS // 2, "tokens_per_batch": TOKENS},
+            "transport": {"slots": 4, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "attach_timeout_s": 120},
+            "telemetry": {"interval_s": 0, "wandb_mode": "disabled"},
+            "drafters": [
+                {
+                    "name": "d0",
+                    "block_size": 8,
+                    "num_layers": 1,
+                    "checkpoint_every": 1000000,
+                    "log_every": 1000000,
+                    "replicas": replicas,
+                }
+            ],
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -116,8 +127,14 @@ def run_producer(job_path: str, replica: int, target_s: float, batches: int) -> 
 
     def batches_from(seq: int):
         for s in range(seq, batches, stride):
-            yield PackedBatch(s, 0, [s], torch.zeros(TOKENS, dtype=torch.int64), torch.ones(TOKENS, dtype=torch.uint8),
-                              torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32))
+            yield PackedBatch(
+                s,
+                0,
+                [s],
+                torch.zeros(TOKENS, dtype=torch.int64),
+                torch.ones(TOKENS, dtype=torch.uint8),
+                torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32),
+            )
 
     return build_service(job, SleepTarget(target_s), batches_from, batches, replica=replica).run()
 
@@ -148,16 +165,57 @@ def variant(producers: int, replicas: int, target_ms: float, drafter_ms: float, 
     rings = [ring_path("/dev/shm", load_job(job).ring_name(0, p)) for p in range(producers)]
     try:
         me = ["-m", "bench.topology"]
-        procs = [harness.spawn([*me, "--worker", "producer", "--job", job, "--replica", p, "--seconds",
-                                target_ms / 1e3, "--batches", batches], run_dir / f"p{p}.log")
-                 for p in range(producers)]
+        procs = [
+            harness.spawn(
+                [
+                    *me,
+                    "--worker",
+                    "producer",
+                    "--job",
+                    job,
+                    "--replica",
+                    p,
+                    "--seconds",
+                    target_ms / 1e3,
+                    "--batches",
+                    batches,
+                ],
+                run_dir / f"p{p}.log",
+            )
+            for p in range(producers)
+        ]
         port = harness.free_port()
         for r in range(replicas):
-            group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(replicas),
-                     "RANK": str(r), "LOCAL_RANK": str(r)} if replicas > 1 else {}
-            procs.append(harness.spawn([*me, "--worker", "consumer", "--job", job, "--replica", r, "--seconds",
-                                        drafter_ms / 1e3, "--out", run_dir / f"c{r}.json"], run_dir / f"c{r}.log",
-                                       group))
+            group = (
+                {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "WORLD_SIZE": str(replicas),
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                }
+                if replicas > 1
+                else {}
+            )
+            procs.append(
+                harness.spawn(
+                    [
+                        *me,
+                        "--worker",
+                        "consumer",
+                        "--job",
+                        job,
+                        "--replica",
+                        r,
+                        "--seconds",
+                        drafter_ms / 1e3,
+                        "--out",
+                        run_dir / f"c{r}.json",
+                    ],
+                    run_dir / f"c{r}.log",
+                    group,
+                )
+            )
         try:
             codes = [p.wait(timeout=600) for p in procs]
         finally:
@@ -177,8 +235,11 @@ def variant(producers: int, replicas: int, target_ms: float, drafter_ms: float, 
     span = times[-1] - times[0]
     rate = (n - 1) * TOKENS / span
     # per consumer: wall between its first and last batch beyond the simulated steps in between
-    over = [(r["times"][-1] - r["times"][0] - r["slept"] * (len(r["times"]) - 1) / len(r["times"]))
-            / (r["slept"] * (len(r["times"]) - 1) / len(r["times"])) for r in results]
+    over = [
+        (r["times"][-1] - r["times"][0] - r["slept"] * (len(r["times"]) - 1) / len(r["times"]))
+        / (r["slept"] * (len(r["times"]) - 1) / len(r["times"]))
+        for r in results
+    ]
     return {"tokens_per_s": rate, "batches": n, "overhead_pct": 100 * max(over), "span_s": span}
 
 
@@ -207,18 +268,29 @@ def main(argv: list[str] | None = None) -> int:
         "fanin_2_producers": target_2["tokens_per_s"] / target_1["tokens_per_s"],
         "replicas_2": drafter_2["tokens_per_s"] / drafter_1["tokens_per_s"],
         "overhead_pct": drafter_1["overhead_pct"],
-        "tokens_per_s": {"target_slow_1_producer": target_1["tokens_per_s"],
-                         "target_slow_2_producers": target_2["tokens_per_s"],
-                         "drafter_slow_1_replica": drafter_1["tokens_per_s"],
-                         "drafter_slow_2_replicas": drafter_2["tokens_per_s"]},
-        "slow_ms": slow, "fast_ms": fast, "batches": batches, "tokens_per_batch": TOKENS,
+        "tokens_per_s": {
+            "target_slow_1_producer": target_1["tokens_per_s"],
+            "target_slow_2_producers": target_2["tokens_per_s"],
+            "drafter_slow_1_replica": drafter_1["tokens_per_s"],
+            "drafter_slow_2_replicas": drafter_2["tokens_per_s"],
+        },
+        "slow_ms": slow,
+        "fast_ms": fast,
+        "batches": batches,
+        "tokens_per_batch": TOKENS,
     }
-    print(f"fanin_2_producers {figures['fanin_2_producers']:.2f} (target {slow:.0f} ms, drafter {fast:.0f} ms per"
-          f" batch; {target_1['tokens_per_s']:.0f} → {target_2['tokens_per_s']:.0f} tokens/s; target >= 1.8)")
-    print(f"replicas_2 {figures['replicas_2']:.2f} (target {fast:.0f} ms, drafter {slow:.0f} ms per batch;"
-          f" {drafter_1['tokens_per_s']:.0f} → {drafter_2['tokens_per_s']:.0f} tokens/s; target >= 1.8)")
-    print(f"overhead_pct {figures['overhead_pct']:.2f} (consumer wall per batch beyond its {slow:.0f} ms simulated"
-          " step; target <= 2)")
+    print(
+        f"fanin_2_producers {figures['fanin_2_producers']:.2f} (target {slow:.0f} ms, drafter {fast:.0f} ms per"
+        f" batch; {target_1['tokens_per_s']:.0f} → {target_2['tokens_per_s']:.0f} tokens/s; target >= 1.8)"
+    )
+    print(
+        f"replicas_2 {figures['replicas_2']:.2f} (target {fast:.0f} ms, drafter {slow:.0f} ms per batch;"
+        f" {drafter_1['tokens_per_s']:.0f} → {drafter_2['tokens_per_s']:.0f} tokens/s; target >= 1.8)"
+    )
+    print(
+        f"overhead_pct {figures['overhead_pct']:.2f} (consumer wall per batch beyond its {slow:.0f} ms simulated"
+        " step; target <= 2)"
+    )
     if args.json:
         print(json.dumps(figures))
     return 0

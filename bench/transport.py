@@ -72,9 +72,15 @@ def tokens_for(nbytes: int) -> int:
 def make_batch(nbytes: int, seq: int) -> dict[str, torch.Tensor]:
     """A packed batch of about `nbytes`: hidden [T, WIDTH] bf16, input_ids [T], loss_mask [T], cu_seqlens."""
     tokens = tokens_for(nbytes)
-    batch = PackedBatch(seq, 0, [seq], torch.arange(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.uint8),
-                        torch.tensor([0, tokens], dtype=torch.int32),
-                        hidden=torch.full((tokens, WIDTH), float(seq % 7), dtype=torch.bfloat16)).tensors()
+    batch = PackedBatch(
+        seq,
+        0,
+        [seq],
+        torch.arange(tokens, dtype=torch.int64),
+        torch.ones(tokens, dtype=torch.uint8),
+        torch.tensor([0, tokens], dtype=torch.int32),
+        hidden=torch.full((tokens, WIDTH), float(seq % 7), dtype=torch.bfloat16),
+    ).tensors()
     batch["input_ids"][0] = seq  # the consumer checks this tag on its own copy: it holds the right batch
     return batch
 
@@ -374,29 +380,46 @@ def summarise(sizes: dict, ring: dict, mpq: dict, zcopy: dict, memcpy: dict, gap
         result["memcpy_growth_1_to_256MiB"] = round(memcpy_ms["256MiB"] / memcpy_ms["1MiB"], 1)
         floor = result["e2e_ms_two_copy_floor"]
         result["two_copy_floor_growth_1_to_256MiB"] = round(floor["256MiB"] / floor["1MiB"], 1)
-    met = {k: (result[k] >= bound if op == ">=" else result[k] <= bound) for k, (op, bound) in TARGETS.items()
-           if k in result}
+    met = {
+        k: (result[k] >= bound if op == ">=" else result[k] <= bound)
+        for k, (op, bound) in TARGETS.items()
+        if k in result
+    }
     result["targets"] = {k: f"{op} {bound}" for k, (op, bound) in TARGETS.items()}
     result["targets_met"] = met
     return result
 
 
 def print_table(result: dict, sizes: dict) -> None:
-    print(f"end-to-end medians in ms (write + hand-off + the consumer's own copy + release); every batch"
-          f" follows {result['gap_ms']:g} ms of consumer idleness")
+    print(
+        f"end-to-end medians in ms (write + hand-off + the consumer's own copy + release); every batch"
+        f" follows {result['gap_ms']:g} ms of consumer idleness"
+    )
     head = ["size", "ring", "mpq pool", "zmqcopy", "2-copy floor", "memcpy", "ring write", "ring copy"]
     print(" ".join(f"{h:>12}" for h in head))
     for label in sizes:
-        cols = [result["e2e_ms"]["ring"], result["e2e_ms"]["mpqueue_pool"], result["e2e_ms"]["zmqcopy"],
-                result["e2e_ms_two_copy_floor"], result["memcpy_ms"], result["ring_write_ms"],
-                result["ring_copy_out_ms"]]
+        cols = [
+            result["e2e_ms"]["ring"],
+            result["e2e_ms"]["mpqueue_pool"],
+            result["e2e_ms"]["zmqcopy"],
+            result["e2e_ms_two_copy_floor"],
+            result["memcpy_ms"],
+            result["ring_write_ms"],
+            result["ring_copy_out_ms"],
+        ]
         print(f"{label:>12} " + " ".join(f"{col[label]:>12.3f}" for col in cols))
-    print(f"bare zmq round trip (64 B msgpack): {result['zmq_roundtrip_ms']:.3f} ms;"
-          f" memcpy GiB/s {result['memcpy_gib_per_s']}")
-    for key in [k for k in result if k.startswith(("e2e_ratio", "e2e_growth", "memcpy_growth", "two_copy", "e2e_ring"))]:
+    print(
+        f"bare zmq round trip (64 B msgpack): {result['zmq_roundtrip_ms']:.3f} ms;"
+        f" memcpy GiB/s {result['memcpy_gib_per_s']}"
+    )
+    for key in [
+        k for k in result if k.startswith(("e2e_ratio", "e2e_growth", "memcpy_growth", "two_copy", "e2e_ring"))
+    ]:
         bound = result["targets"].get(key)
-        print(f"{key}: {result[key]}" + (f" (target {bound}: {'met' if result['targets_met'][key] else 'MISSED'})"
-                                         if bound else ""))
+        print(
+            f"{key}: {result[key]}"
+            + (f" (target {bound}: {'met' if result['targets_met'][key] else 'MISSED'})" if bound else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:

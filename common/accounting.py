@@ -104,9 +104,18 @@ class JobLog:
 class DeliveryLedger:
     """The producer's log: its plan once, then every batch with the sessions it went to."""
 
-    def __init__(self, run_dir: str | Path, node: int, total_batches: int, epoch_batches: Sequence[int],
-                 sample_ids: Iterable[int], *, lineage: str = DEFAULT_LINEAGE, fingerprint: dict | None = None,
-                 validation: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        node: int,
+        total_batches: int,
+        epoch_batches: Sequence[int],
+        sample_ids: Iterable[int],
+        *,
+        lineage: str = DEFAULT_LINEAGE,
+        fingerprint: dict | None = None,
+        validation: dict | None = None,
+    ):
         """`epoch_batches[e]`: batches in epoch e; `sample_ids`: this node's shard (the same every epoch);
         `lineage`, `fingerprint`: the data lineage and what defines its plan (producer/fingerprint.py);
         `validation`: the held-out records (None: no data.validation)."""
@@ -120,18 +129,46 @@ class DeliveryLedger:
         if first != total_batches:
             raise ValueError(f"the epochs hold {first} batches, the plan says {total_batches}")
         self.log = JobLog(run_dir, "producer", f"n{node}")
-        self.log.write("plan", {"node": node, "lineage": lineage, "total_batches": total_batches, "epochs": epochs,
-                                "samples": len(ids), "digest": sample_digest(ids), "fingerprint": fingerprint,
-                                "validation": validation})
+        self.log.write(
+            "plan",
+            {
+                "node": node,
+                "lineage": lineage,
+                "total_batches": total_batches,
+                "epochs": epochs,
+                "samples": len(ids),
+                "digest": sample_digest(ids),
+                "fingerprint": fingerprint,
+                "validation": validation,
+            },
+        )
 
     def delivered(self, seq: int, epoch: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
-        self.log.write("batch", {"node": self.node, "lineage": self.lineage, "seq": seq, "epoch": epoch,
-                                 "samples": [int(s) for s in sample_ids], "to": [list(m) for m in to]})
+        self.log.write(
+            "batch",
+            {
+                "node": self.node,
+                "lineage": self.lineage,
+                "seq": seq,
+                "epoch": epoch,
+                "samples": [int(s) for s in sample_ids],
+                "to": [list(m) for m in to],
+            },
+        )
 
     def validated(self, pass_: int, index: int, sample_ids: Iterable[int], to: Iterable[tuple[str, int, int]]) -> None:
         """Batch `index` of evaluation pass `pass_`, before it is sent (as `delivered`)."""
-        self.log.write("validation", {"node": self.node, "lineage": self.lineage, "pass": pass_, "index": index,
-                                      "samples": [int(s) for s in sample_ids], "to": [list(m) for m in to]})
+        self.log.write(
+            "validation",
+            {
+                "node": self.node,
+                "lineage": self.lineage,
+                "pass": pass_,
+                "index": index,
+                "samples": [int(s) for s in sample_ids],
+                "to": [list(m) for m in to],
+            },
+        )
 
     def close(self) -> None:
         self.log.close()
@@ -156,7 +193,7 @@ def plan_records(run_dir: str | Path, node: int) -> list[dict]:
 def per_node(flat: Sequence[Any], producers: int) -> list[tuple[Any, ...]]:
     """A flat per-(node, producer) list (entry node × producers + producer: a checkpoint record's cursors and
     trained_above, and a checkpoint's "group") split into one tuple per node."""
-    return [tuple(flat[n * producers:(n + 1) * producers]) for n in range(len(flat) // producers)]
+    return [tuple(flat[n * producers : (n + 1) * producers]) for n in range(len(flat) // producers)]
 
 
 def ledger_id_of(state: dict | None) -> str | None:
@@ -176,9 +213,11 @@ def resume_lineage(state: dict | None, lineage: str, source: str = "the checkpoi
     if history[-1] == lineage:
         return history, True
     if lineage in history:
-        raise LineageError(f"{source} trained data lineage {lineage!r} and then {history[history.index(lineage) + 1]!r}:"
-                           f" a lineage is never resumed once another started; set data.lineage = \"{history[-1]}\""
-                           " to go on, or a new name to start another")
+        raise LineageError(
+            f"{source} trained data lineage {lineage!r} and then {history[history.index(lineage) + 1]!r}:"
+            f' a lineage is never resumed once another started; set data.lineage = "{history[-1]}"'
+            " to go on, or a new name to start another"
+        )
     return [*history, lineage], False
 
 
@@ -190,9 +229,18 @@ class TrainLedger:
     stay pending and go into the next checkpoint record, whose parent stays the last successful one.
     """
 
-    def __init__(self, run_dir: str | Path, drafter: str, rank: int, world_size: int, *,
-                 base: str | None, base_step: int, resumed_from: str | None = None,
-                 lineages: Sequence[str] = (DEFAULT_LINEAGE,)):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        drafter: str,
+        rank: int,
+        world_size: int,
+        *,
+        base: str | None,
+        base_step: int,
+        resumed_from: str | None = None,
+        lineages: Sequence[str] = (DEFAULT_LINEAGE,),
+    ):
         """`base`: ledger id of the checkpoint resumed from (None for a fresh start); `resumed_from`: its path
         (named in the log when a checkpoint older than the ledger carries no id); `lineages`: the data lineages
         of the chain, the last one this run's (resume_lineage)."""
@@ -207,14 +255,31 @@ class TrainLedger:
         self._pending: dict[int, list[int]] = {}
         self._count = 0
         self._attempt: str | None = None
-        self.log.write("start", {"drafter": drafter, "rank": rank, "world": world_size, "base": base,
-                                 "base_step": base_step, "pid": os.getpid(), "lineage": self.lineage})
+        self.log.write(
+            "start",
+            {
+                "drafter": drafter,
+                "rank": rank,
+                "world": world_size,
+                "base": base,
+                "base_step": base_step,
+                "pid": os.getpid(),
+                "lineage": self.lineage,
+            },
+        )
 
     def stepped(self, step: int, seqs: Sequence[int]) -> None:
         self.log.write("step", {"drafter": self.drafter, "rank": self.rank, "step": step, "seqs": list(seqs)})
 
-    def checkpoint(self, step: int, trained: dict[int, list[int]], cursors: Sequence[int],
-                   trained_above: Sequence[Sequence[int]], *, producers: int = 1) -> dict:
+    def checkpoint(
+        self,
+        step: int,
+        trained: dict[int, list[int]],
+        cursors: Sequence[int],
+        trained_above: Sequence[Sequence[int]],
+        *,
+        producers: int = 1,
+    ) -> dict:
         """Log the checkpoint of `step` about to be written; returns its "ledger" entry ({id, lineages}), which
         the checkpoint carries in trainer_state.pt (atomic with it).
 
@@ -224,20 +289,37 @@ class TrainLedger:
             self._pending.setdefault(int(node), []).extend(int(s) for s in seqs)
         self._count += 1
         record_id = f"{self.drafter}:{self.log.incarnation}:{step}:{self._count}"
-        self.log.write("checkpoint", {
-            "drafter": self.drafter, "id": record_id, "parent": self.parent, "step": int(step),
-            "lineage": self.lineage, "trained": {str(n): s for n, s in sorted(self._pending.items())},
-            "producers": producers, "cursors": [int(c) for c in cursors],
-            "trained_above": [[int(s) for s in a] for a in trained_above],
-        })
+        self.log.write(
+            "checkpoint",
+            {
+                "drafter": self.drafter,
+                "id": record_id,
+                "parent": self.parent,
+                "step": int(step),
+                "lineage": self.lineage,
+                "trained": {str(n): s for n, s in sorted(self._pending.items())},
+                "producers": producers,
+                "cursors": [int(c) for c in cursors],
+                "trained_above": [[int(s) for s in a] for a in trained_above],
+            },
+        )
         self._attempt = record_id
         return {"id": record_id, "lineages": list(self.lineages)}
 
     def evaluated(self, pass_: int, step: int, sample_ids: Iterable[int], tau: float) -> None:
         """One whole evaluation pass at optimizer step `step`: the samples it evaluated and its held-out τ."""
-        self.log.write("evaluation", {"drafter": self.drafter, "rank": self.rank, "lineage": self.lineage,
-                                      "pass": pass_, "step": step,
-                                      "samples": [int(s) for s in sample_ids], "tau": tau})
+        self.log.write(
+            "evaluation",
+            {
+                "drafter": self.drafter,
+                "rank": self.rank,
+                "lineage": self.lineage,
+                "pass": pass_,
+                "step": step,
+                "samples": [int(s) for s in sample_ids],
+                "tau": tau,
+            },
+        )
 
     def saved(self, step: int) -> None:
         """The save returned: its record becomes the parent of the next one."""

@@ -59,8 +59,10 @@ class LineageReport:
             plan = f"plan grew by epochs {steps} (the epochs they share are equal)"
         else:
             plan = f"epochs changed {steps}"
-        return (f"lineage {self.lineage!r}: {self.trained_batches} batches, {self.epochs_complete} whole epochs"
-                f" verified, {plan}{'; complete' if self.complete else ''}")
+        return (
+            f"lineage {self.lineage!r}: {self.trained_batches} batches, {self.epochs_complete} whole epochs"
+            f" verified, {plan}{'; complete' if self.complete else ''}"
+        )
 
 
 @dataclass
@@ -88,8 +90,14 @@ class DrafterReport:
     def ok(self) -> bool:
         if self.validation is not None and not self.validation.ok:
             return False
-        return not self.errors and not (self.duplicate_batches or self.duplicate_samples or self.missing_batches
-                                        or self.lost_samples or self.undelivered_batches or self.epochs_mismatched)
+        return not self.errors and not (
+            self.duplicate_batches
+            or self.duplicate_samples
+            or self.missing_batches
+            or self.lost_samples
+            or self.undelivered_batches
+            or self.epochs_mismatched
+        )
 
 
 @dataclass
@@ -112,9 +120,15 @@ class AccountingReport:
         return sum(d.lost_samples for d in self.drafters.values())
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "records": self.records, "torn_lines": self.torn_lines, "errors": self.errors,
-                "duplicates": self.duplicates, "lost_samples": self.lost_samples,
-                "drafters": {k: {**asdict(v), "ok": v.ok} for k, v in self.drafters.items()}}
+        return {
+            "ok": self.ok,
+            "records": self.records,
+            "torn_lines": self.torn_lines,
+            "errors": self.errors,
+            "duplicates": self.duplicates,
+            "lost_samples": self.lost_samples,
+            "drafters": {k: {**asdict(v), "ok": v.ok} for k, v in self.drafters.items()},
+        }
 
 
 def read_records(run_dirs: list[Path]) -> tuple[list[dict], int]:
@@ -153,8 +167,10 @@ def check_run(run_dir: str | Path, logs_from: list[str | Path] = ()) -> Accounti
     report = AccountingReport({}, len(records), torn)
     plans = _plans(records, report.errors)
     deliveries = _deliveries(records, report.errors)
-    drafters = sorted({r["drafter"] for r in records if r["kind"] in ("start", "checkpoint")} |
-                      {p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir()})
+    drafters = sorted(
+        {r["drafter"] for r in records if r["kind"] in ("start", "checkpoint")}
+        | {p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir()}
+    )
     for drafter in drafters:
         report.drafters[drafter] = _check_drafter(run_dir, drafter, records, plans, deliveries)
         report.drafters[drafter].validation = check_validation(drafter, records)
@@ -177,8 +193,13 @@ def _plans(records: list[dict], errors: list[str]) -> dict[tuple[str, int], dict
         key = (_lineage(r), r["node"])
         plan = plans.get(key)
         if plan is None:
-            plans[key] = {**{k: r[k] for k in PLAN_KEYS}, "epochs": list(r["epochs"]), "fingerprint": r.get("fingerprint"),
-                          "latest_total": r["total_batches"], "epochs_planned": [len(r["epochs"])]}
+            plans[key] = {
+                **{k: r[k] for k in PLAN_KEYS},
+                "epochs": list(r["epochs"]),
+                "fingerprint": r.get("fingerprint"),
+                "latest_total": r["total_batches"],
+                "epochs_planned": [len(r["epochs"])],
+            }
             continue
         shared = min(len(plan["epochs"]), len(r["epochs"]))
         fp_old, fp_new = plan["fingerprint"], r.get("fingerprint")
@@ -188,8 +209,10 @@ def _plans(records: list[dict], errors: list[str]) -> dict[tuple[str, int], dict
         if fp_old is not None and fp_new is not None:
             changed += [k for k in fp_new if k != "data_path" and fp_old.get(k) != fp_new.get(k)]
         if changed:
-            errors.append(f"node {r['node']} lineage {key[0]!r}: producer incarnations logged different plans"
-                          f" ({r['src']}: {', '.join(dict.fromkeys(changed))} changed): a changed plan was resumed")
+            errors.append(
+                f"node {r['node']} lineage {key[0]!r}: producer incarnations logged different plans"
+                f" ({r['src']}: {', '.join(dict.fromkeys(changed))} changed): a changed plan was resumed"
+            )
         if len(r["epochs"]) > len(plan["epochs"]):
             plan["epochs"] = list(r["epochs"])
         plan["fingerprint"] = fp_new or fp_old
@@ -214,8 +237,9 @@ def _deliveries(records: list[dict], errors: list[str]) -> dict[tuple[str, int, 
     return out
 
 
-def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict[tuple[str, int], dict],
-                   deliveries: dict) -> DrafterReport:
+def _check_drafter(
+    run_dir: Path, drafter: str, records: list[dict], plans: dict[tuple[str, int], dict], deliveries: dict
+) -> DrafterReport:
     rep = DrafterReport(drafter)
     mine = [r for r in records if r.get("drafter") == drafter]
     by_id = {r["id"]: r for r in mine if r["kind"] == "checkpoint"}
@@ -243,8 +267,9 @@ def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict
         if parts and parts[-1][0] == _lineage(rec):
             parts[-1][1].append(rec)
         elif any(name == _lineage(rec) for name, _ in parts):
-            rep.errors.append(f"lineage {_lineage(rec)!r} resumed after {parts[-1][0]!r} ({rec['id']}): its cursor"
-                              " was gone")
+            rep.errors.append(
+                f"lineage {_lineage(rec)!r} resumed after {parts[-1][0]!r} ({rec['id']}): its cursor was gone"
+            )
             return rep
         else:
             parts.append((_lineage(rec), [rec]))
@@ -258,7 +283,8 @@ def _check_drafter(run_dir: Path, drafter: str, records: list[dict], plans: dict
         first_plan = next((p for (ln, _), p in sorted(plans.items()) if ln == name), None)  # the lowest node's
         part = LineageReport(name, epochs_planned=list(first_plan["epochs_planned"]) if first_plan else [])
         part.complete = bool(cursors) and all(
-            (name, n) in plans and min(c) >= plans[name, n]["latest_total"] for n, c in cursors.items())
+            (name, n) in plans and min(c) >= plans[name, n]["latest_total"] for n, c in cursors.items()
+        )
         before = (rep.trained_batches, rep.epochs_complete)
         for node, seqs in sorted(node_seqs.items()):
             _check_node(rep, drafter, node, seqs, cursors.get(node, ()), plans.get((name, node)), deliveries, name)
@@ -276,8 +302,16 @@ def _final_cursors(record: dict) -> dict[int, tuple[int, ...]]:
     return dict(enumerate(per_node(record["cursors"], record.get("producers", 1))))
 
 
-def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cursors: tuple[int, ...],
-                plan: dict | None, deliveries: dict, lineage: str = DEFAULT_LINEAGE) -> None:
+def _check_node(
+    rep: DrafterReport,
+    drafter: str,
+    node: int,
+    seqs: list[int],
+    cursors: tuple[int, ...],
+    plan: dict | None,
+    deliveries: dict,
+    lineage: str = DEFAULT_LINEAGE,
+) -> None:
     """`cursors`: the node's final cursor per producer (producer p's seqs are ≡ p mod len(cursors)), in
     data lineage `lineage`."""
     counts = Counter(seqs)
@@ -306,8 +340,10 @@ def _check_node(rep: DrafterReport, drafter: str, node: int, seqs: list[int], cu
             rep.epochs_complete += 1
             if len(samples) != plan["samples"] or sample_digest(samples) != plan["digest"]:
                 rep.epochs_mismatched += 1
-                rep.errors.append(f"node {node} lineage {lineage!r} epoch {e['epoch']}: {len(samples)} distinct"
-                                  f" samples trained, the plan has {plan['samples']} (or another set)")
+                rep.errors.append(
+                    f"node {node} lineage {lineage!r} epoch {e['epoch']}: {len(samples)} distinct"
+                    f" samples trained, the plan has {plan['samples']} (or another set)"
+                )
 
 
 def _check_crash_losses(rep: DrafterReport, mine: list[dict], in_chain: Counter) -> None:
@@ -327,8 +363,13 @@ def _check_crash_losses(rep: DrafterReport, mine: list[dict], in_chain: Counter)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m common.accounting_check", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
-    ap.add_argument("--logs-from", nargs="*", default=[], metavar="RUN_DIR",
-                    help="other nodes' run folders whose job logs belong to this job")
+    ap.add_argument(
+        "--logs-from",
+        nargs="*",
+        default=[],
+        metavar="RUN_DIR",
+        help="other nodes' run folders whose job logs belong to this job",
+    )
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     try:
@@ -341,12 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for d in report.drafters.values():
             state = "ok" if d.ok else "FAILED"
-            print(f"{d.drafter}: {state}: {d.trained_batches} batches in {d.lineage_checkpoints} checkpoints up to"
-                  f" {d.final_checkpoint}, {d.epochs_complete} whole epochs verified, duplicates"
-                  f" {d.duplicate_batches}/{d.duplicate_samples} (batches/samples), missing {d.missing_batches},"
-                  f" lost samples {d.lost_samples}, undelivered {d.undelivered_batches}, epochs mismatched"
-                  f" {d.epochs_mismatched}, lost in crashes {d.crash_lost_batches} (retrained"
-                  f" {d.crash_lost_retrained}){'; complete' if d.complete else ''}")
+            print(
+                f"{d.drafter}: {state}: {d.trained_batches} batches in {d.lineage_checkpoints} checkpoints up to"
+                f" {d.final_checkpoint}, {d.epochs_complete} whole epochs verified, duplicates"
+                f" {d.duplicate_batches}/{d.duplicate_samples} (batches/samples), missing {d.missing_batches},"
+                f" lost samples {d.lost_samples}, undelivered {d.undelivered_batches}, epochs mismatched"
+                f" {d.epochs_mismatched}, lost in crashes {d.crash_lost_batches} (retrained"
+                f" {d.crash_lost_retrained}){'; complete' if d.complete else ''}"
+            )
             if len(d.lineages) > 1 or any(len(set(p.epochs_planned)) > 1 for p in d.lineages):
                 for part in d.lineages:
                     print(f"    {part.describe()}")

@@ -35,9 +35,11 @@ class ValidationReport:
         return not self.errors and not self.passes_mismatched and not self.held_out_trained
 
     def describe(self) -> str:
-        return (f"validation: {self.held_out} records held out, {self.passes_exact} of {self.passes_evaluated} passes"
-                f" exact ({self.pass_samples} records each), {self.passes_sent} sent, {self.passes_unfinished}"
-                f" unfinished, held-out records trained {self.held_out_trained}")
+        return (
+            f"validation: {self.held_out} records held out, {self.passes_exact} of {self.passes_evaluated} passes"
+            f" exact ({self.pass_samples} records each), {self.passes_sent} sent, {self.passes_unfinished}"
+            f" unfinished, held-out records trained {self.held_out_trained}"
+        )
 
 
 def _lineage(record: dict) -> str:
@@ -82,8 +84,10 @@ def check_validation(drafter: str, records: list[dict]) -> ValidationReport | No
         else:
             rep.passes_mismatched += 1
             twice = sum(c - 1 for c in counts.values())
-            rep.errors.append(f"evaluation pass {r['pass']} (step {r['step']}): {len(counts)} distinct records,"
-                              f" {twice} evaluated twice; a pass has {plan['samples']} (or another set)")
+            rep.errors.append(
+                f"evaluation pass {r['pass']} (step {r['step']}): {len(counts)} distinct records,"
+                f" {twice} evaluated twice; a pass has {plan['samples']} (or another set)"
+            )
         if int(r["pass"]) not in sent:
             rep.errors.append(f"evaluation pass {r['pass']} was logged but never sent to {drafter}")
     rep.passes_sent = len(sent)

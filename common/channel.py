@@ -230,8 +230,9 @@ class ProducerChannel(_Channel):
     """The producer's ROUTER. A consumer becomes a heartbeat peer when it says HELLO; it is lost (fenced)
     when it misses heartbeats; `forget(peer)` drops one that said BYE."""
 
-    def __init__(self, endpoint: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 curve: CurveServer | None = None):
+    def __init__(
+        self, endpoint: str, heartbeat_interval_s: float, heartbeat_timeout_s: float, curve: CurveServer | None = None
+    ):
         """`curve`: authenticate every connection with CURVE, admitting only the job's client keys (tcp)."""
         ctx = zmq.Context()
         sock = _socket(ctx, zmq.ROUTER)
@@ -276,8 +277,14 @@ class ConsumerChannel(_Channel):
     """A consumer's DEALER. The producer counts as lost once it has spoken and then falls silent for the
     heartbeat timeout; before it first speaks, the caller's own wait (attach timeout) applies."""
 
-    def __init__(self, endpoint: str, identity: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 curve: CurveClient | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        identity: str,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        curve: CurveClient | None = None,
+    ):
         ctx = zmq.Context()
         sock = _socket(ctx, zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
@@ -305,9 +312,10 @@ def _lock_ipc_endpoint(endpoint: str) -> int | None:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise RuntimeError(f"another producer (pid {holder or '?'}) holds {path}; is the job already running?") from None
+        raise RuntimeError(
+            f"another producer (pid {holder or '?'}) holds {path}; is the job already running?"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     path.unlink(missing_ok=True)  # a stale socket file left by a crashed producer
     return fd
-

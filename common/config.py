@@ -75,7 +75,8 @@ class TargetConfig(_Section):
             raise ValueError(
                 f"ep_size = {ep} with tp_size = {tp}: transformers needs ep_size to be a multiple of tp_size that"
                 " divides fsdp_size × tp_size, and a producer's group runs one batch (fsdp_size 1), so ep_size is"
-                f" 1 or tp_size ({tp})")
+                f" 1 or tp_size ({tp})"
+            )
         return ep
 
     @model_validator(mode="after")
@@ -88,9 +89,14 @@ class TargetConfig(_Section):
             kinds = {d.split(":")[0] for d in devs}
             if self.tp_size > 1 and (len(kinds) > 1 or not kinds <= {"cpu", "cuda"}):
                 raise ValueError(f"a tensor-parallel group runs on CPUs or on CUDA devices, not {devs}")
-            if self.tp_size > 1 and kinds == {"cuda"} and (len(set(devs)) != len(devs) or any(":" not in d for d in devs)):
-                raise ValueError(f"every rank of a tensor-parallel group needs its own numbered CUDA device"
-                                 f" (cuda:N), not {devs}")
+            if (
+                self.tp_size > 1
+                and kinds == {"cuda"}
+                and (len(set(devs)) != len(devs) or any(":" not in d for d in devs))
+            ):
+                raise ValueError(
+                    f"every rank of a tensor-parallel group needs its own numbered CUDA device (cuda:N), not {devs}"
+                )
         cuda = [d for d in self.devices if d.startswith("cuda")]
         if len(set(cuda)) != len(cuda):
             raise ValueError(f"devices {self.devices}: a CUDA device is listed twice (each rank needs its own)")
@@ -100,7 +106,7 @@ class TargetConfig(_Section):
         """The device of each tensor-parallel rank of target replica `replica`; rank 0's holds its ring."""
         if not self.devices:
             return [self.device] * self.tp_size
-        return list(self.devices[replica * self.tp_size:(replica + 1) * self.tp_size])
+        return list(self.devices[replica * self.tp_size : (replica + 1) * self.tp_size])
 
 
 class DataConfig(_Section):
@@ -174,8 +180,10 @@ class TransportConfig(_Section):
         if self.curve and self.endpoint != "tcp":
             raise ValueError("curve = true needs endpoint = 'tcp' (an ipc endpoint is guarded by its 0700 folder)")
         if self.curve is False and self.endpoint == "tcp" and not is_loopback(self.tcp_host):
-            raise ValueError(f"curve = false with tcp_host {self.tcp_host!r}: an endpoint outside loopback requires"
-                             " CURVE authentication (leave curve unset or set it true)")
+            raise ValueError(
+                f"curve = false with tcp_host {self.tcp_host!r}: an endpoint outside loopback requires"
+                " CURVE authentication (leave curve unset or set it true)"
+            )
         return self
 
     @property
@@ -302,8 +310,10 @@ class DrafterConfig(_Section):
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_SCALINGS:
-                raise ValueError(f"rope_scaling.rope_type {kind!r} is not one of {sorted(ROPE_SCALINGS)}"
-                                 " (the rope types with a fixed frequency table)")
+                raise ValueError(
+                    f"rope_scaling.rope_type {kind!r} is not one of {sorted(ROPE_SCALINGS)}"
+                    " (the rope types with a fixed frequency table)"
+                )
             missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
@@ -312,8 +322,10 @@ class DrafterConfig(_Section):
     @model_validator(mode="after")
     def _dflash2_taps_fit_a_block(self) -> DrafterConfig:
         if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
-            raise ValueError(f"conv_kernel_size = {self.conv_kernel_size} is more taps than block_size ="
-                             f" {self.block_size} (a tap never crosses a block start)")
+            raise ValueError(
+                f"conv_kernel_size = {self.conv_kernel_size} is more taps than block_size ="
+                f" {self.block_size} (a tap never crosses a block start)"
+            )
         return self
 
     @property
@@ -363,7 +375,9 @@ class JobConfig(_Section):
         if dupes:
             raise ValueError(f"drafters: duplicate name(s) {dupes}")
         if self.transport.kind == "cuda" and not self.target.devices_of(0)[0].startswith("cuda"):
-            raise ValueError("transport.kind is 'cuda' but the target's rank 0 device (target.device or target.devices[0]) is not a CUDA device")
+            raise ValueError(
+                "transport.kind is 'cuda' but the target's rank 0 device (target.device or target.devices[0]) is not a CUDA device"
+            )
         return self
 
     def drafter(self, name: str) -> DrafterConfig:

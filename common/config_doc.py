@@ -1,6 +1,6 @@
 """The job-file reference in Markdown, generated from the config models (the README embeds it).
 
-    python -m common.config_doc      # prints the reference; tests/test_readme.py checks the README has it
+python -m common.config_doc      # prints the reference; tests/e2e/test_readme.py checks the README has it
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def snapshot(repo_id: str, revision: str | None, *, key: str, repo_type: str = "model",
-             allow_patterns: list[str] | None = None) -> Path:
+def snapshot(
+    repo_id: str, revision: str | None, *, key: str, repo_type: str = "model", allow_patterns: list[str] | None = None
+) -> Path:
     """The local snapshot folder of a hub repository: from the cache, downloaded first when online."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -49,23 +50,38 @@ def snapshot(repo_id: str, revision: str | None, *, key: str, repo_type: str = "
 
     where = f"{key} = {repo_id!r}" + (f" (revision {revision!r})" if revision else "")
     try:
-        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns,
-                                      local_files_only=_offline()))
+        return Path(
+            snapshot_download(
+                repo_id,
+                repo_type=repo_type,
+                revision=revision,
+                allow_patterns=allow_patterns,
+                local_files_only=_offline(),
+            )
+        )
     except LocalEntryNotFoundError:
         from huggingface_hub.constants import HF_HUB_CACHE
 
-        how = ("HF_HUB_OFFLINE is set: unset it to download, or fetch it first with `hf download"
-               f" {repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''}`") if _offline() else (
-               "the hub could not be reached: check the network, or download it where it can be reached")
+        how = (
+            (
+                "HF_HUB_OFFLINE is set: unset it to download, or fetch it first with `hf download"
+                f" {repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''}`"
+            )
+            if _offline()
+            else ("the hub could not be reached: check the network, or download it where it can be reached")
+        )
         raise HubError(f"{where}: not in the Hugging Face cache ({HF_HUB_CACHE}); {how}") from None
     except GatedRepoError:
-        raise HubError(f"{where}: a gated repository: accept its terms on the hub and log in (`hf auth login`)"
-                       " or set HF_TOKEN") from None
+        raise HubError(
+            f"{where}: a gated repository: accept its terms on the hub and log in (`hf auth login`) or set HF_TOKEN"
+        ) from None
     except RevisionNotFoundError:
         raise HubError(f"{where}: the repository has no such revision") from None
     except RepositoryNotFoundError:
-        raise HubError(f"{where}: no such {repo_type} repository on the hub (or it is private: set HF_TOKEN);"
-                       " a local path must exist") from None
+        raise HubError(
+            f"{where}: no such {repo_type} repository on the hub (or it is private: set HF_TOKEN);"
+            " a local path must exist"
+        ) from None
     except HfHubHTTPError as err:
         raise HubError(f"{where}: the hub answered {err}") from None
 
@@ -92,9 +108,11 @@ def dataset_files(spec: str, split: str, subset: str | None, revision: str | Non
     chosen = [Path(f) for f in files[split]]
     unreadable = [f.name for f in chosen if f.suffix.lower() not in DATA_SUFFIXES]
     if unreadable:
-        raise HubError(f"data.path = {spec!r}: split {split!r} is stored as {unreadable[:3]}; the producer reads"
-                       " Parquet and JSON lines (the hub's `refs/convert/parquet` revision has Parquet for most"
-                       " datasets: set data.revision = \"refs/convert/parquet\")")
+        raise HubError(
+            f"data.path = {spec!r}: split {split!r} is stored as {unreadable[:3]}; the producer reads"
+            " Parquet and JSON lines (the hub's `refs/convert/parquet` revision has Parquet for most"
+            ' datasets: set data.revision = "refs/convert/parquet")'
+        )
     return chosen
 
 

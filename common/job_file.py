@@ -3,7 +3,7 @@ value types (str, int, float, bool, lists, nested tables, arrays of tables) into
 validates the dict (or takes a validated `JobConfig`) first, so a job file written here always loads.
 
 tomllib only reads TOML and no writer is installed; this one covers what a job file holds, and
-tests/test_job_file.py reads everything it writes back through tomllib."""
+tests/common/test_job_file.py reads everything it writes back through tomllib."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def _value(value: object, where: str) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_value(v, f"{where}[{i}]") for i, v in enumerate(value)) + "]"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{_key(k)} = {_value(v, f'{where}.{k}')}" for k, v in value.items()
-                               if v is not None) + "}"
+        return (
+            "{" + ", ".join(f"{_key(k)} = {_value(v, f'{where}.{k}')}" for k, v in value.items() if v is not None) + "}"
+        )
     raise TypeError(f"{where}: TOML has no value for {type(value).__name__} {value!r}")
 
 

@@ -91,8 +91,11 @@ def holders(run_dir: str | Path, node: int = 0) -> list[str]:
 
 def _process_holders(run_dir: str | Path, node: int) -> list[tuple[str, dict[str, str]]]:
     """(process name, its lock's fields) of every process that holds its own lock now."""
-    return [(path.stem.split("-", 1)[1], _read_fields(path))
-            for path in sorted((Path(run_dir) / "locks").glob(f"n{node}-*.lock")) if _held(path)]
+    return [
+        (path.stem.split("-", 1)[1], _read_fields(path))
+        for path in sorted((Path(run_dir) / "locks").glob(f"n{node}-*.lock"))
+        if _held(path)
+    ]
 
 
 def _launch_running(fields: dict[str, str]) -> bool:
@@ -116,13 +119,18 @@ def reclaim(run_dir: str | Path, node: int, grace_s: float, log=print) -> bool:
     launch = fields.get("launch", "")
     if not launch or _launch_running(fields):
         return False
-    orphans = [(name, int(f["pid"])) for name, f in _process_holders(run_dir, node)
-               if f.get("launch") == launch and f.get("pid", "").isdigit()]
+    orphans = [
+        (name, int(f["pid"]))
+        for name, f in _process_holders(run_dir, node)
+        if f.get("launch") == launch and f.get("pid", "").isdigit()
+    ]
     if not orphans:
         return not _held(job_lock)
     listed = ", ".join(f"{name} pid {pid}" for name, pid in orphans)
-    log(f"launch.sh: {_describe(fields, 'the launch.sh')} that held {run_dir} is gone; its processes still run"
-        f" ({listed}): stopping them (SIGTERM, SIGKILL after {grace_s:g}s) before this launch starts")
+    log(
+        f"launch.sh: {_describe(fields, 'the launch.sh')} that held {run_dir} is gone; its processes still run"
+        f" ({listed}): stopping them (SIGTERM, SIGKILL after {grace_s:g}s) before this launch starts"
+    )
     start = time.monotonic()
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         for _, pid in orphans:
@@ -132,8 +140,10 @@ def reclaim(run_dir: str | Path, node: int, grace_s: float, log=print) -> bool:
         while _held(job_lock) and time.monotonic() < deadline:
             time.sleep(0.1)
         if not _held(job_lock):
-            log(f"launch.sh: the processes of launch {launch} ended after {time.monotonic() - start:.1f}s;"
-                " the job lock is free")
+            log(
+                f"launch.sh: the processes of launch {launch} ended after {time.monotonic() - start:.1f}s;"
+                " the job lock is free"
+            )
             return True
     return False
 
@@ -188,8 +198,9 @@ def enter(run_dir: str | Path, name: str, node: int = 0) -> JobLock:
         fields = _read_fields(own_path)
         os.close(own_fd)
         os.close(job_fd)
-        raise JobLocked(f"{root}: {_describe(fields, f'another {name}')} is running for this job;"
-                        f" {name} not started") from None
+        raise JobLocked(
+            f"{root}: {_describe(fields, f'another {name}')} is running for this job; {name} not started"
+        ) from None
     _stamp(own_fd, launch_id)
     fds.append(own_fd)
     return JobLock(fds, launch_id)

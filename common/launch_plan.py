@@ -52,8 +52,9 @@ class ProcessSpec:
         return ["env", *(f"{k}={v}" for k, v in self.env.items()), *self.argv] if self.env else self.argv
 
 
-def group_env(drafter: DrafterConfig, index: int, replica: int, node_rank: int, nnodes: int, master_addr: str,
-              master_port: int) -> dict[str, str]:
+def group_env(
+    drafter: DrafterConfig, index: int, replica: int, node_rank: int, nnodes: int, master_addr: str, master_port: int
+) -> dict[str, str]:
     """torchrun's variables for one replica of the drafter at `index` in the job; none for a group of one."""
     world = drafter.replicas * nnodes
     if world == 1:
@@ -83,18 +84,33 @@ def tp_env(job: JobConfig, replica: int, rank: int, port: int) -> dict[str, str]
         return {}
     dev = job.target.devices_of(replica)[rank]
     local = dev.split(":")[1] if dev.startswith("cuda:") else str(rank)
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(tp), "RANK": str(rank),
-            "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": str(tp)}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(tp),
+        "RANK": str(rank),
+        "LOCAL_RANK": local,
+        "LOCAL_WORLD_SIZE": str(tp),
+    }
 
 
-def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes: int = 1,
-         master_addr: str = "127.0.0.1", master_port: int = DEFAULT_MASTER_PORT) -> list[ProcessSpec]:
+def plan(
+    job: JobConfig,
+    job_path: str,
+    python: str,
+    node_rank: int = 0,
+    nnodes: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int = DEFAULT_MASTER_PORT,
+) -> list[ProcessSpec]:
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
     last = master_port + len(job.drafters) + job.target.replicas - 1
     if not 0 < master_port <= last <= 65535:
-        raise ConfigError(f"--master-port {master_port}: the drafters' and the target groups' ports {master_port}.."
-                          f"{last} must lie in 1..65535")
+        raise ConfigError(
+            f"--master-port {master_port}: the drafters' and the target groups' ports {master_port}.."
+            f"{last} must lie in 1..65535"
+        )
     logs = job.run_paths.logs
     node = ["--node-rank", str(node_rank), "--nnodes", str(nnodes)]
     procs = [
@@ -105,16 +121,27 @@ def plan(job: JobConfig, job_path: str, python: str, node_rank: int = 0, nnodes:
         which = ["--replica", str(p)] if replicas > 1 else []
         for rank in range(job.target.tp_size):
             name = producer_name(p, rank)
-            procs.append(ProcessSpec(name, [python, "-m", "producer", "--job", job_path, *node, *which], True,
-                                     str(logs / f"{name}.log"), tp_env(job, p, rank, master_port + len(job.drafters) + p)))
+            procs.append(
+                ProcessSpec(
+                    name,
+                    [python, "-m", "producer", "--job", job_path, *node, *which],
+                    True,
+                    str(logs / f"{name}.log"),
+                    tp_env(job, p, rank, master_port + len(job.drafters) + p),
+                )
+            )
     for i, d in enumerate(job.drafters):
         for r in range(d.replicas):
             name = f"consumer-{d.name}-r{r}"
-            procs.append(ProcessSpec(
-                name, [python, "-m", "consumer", "--job", job_path, "--drafter", d.name, "--replica", str(r), *node],
-                True, str(logs / f"{name}.log"),
-                group_env(d, i, r, node_rank, nnodes, master_addr, master_port),
-            ))
+            procs.append(
+                ProcessSpec(
+                    name,
+                    [python, "-m", "consumer", "--job", job_path, "--drafter", d.name, "--replica", str(r), *node],
+                    True,
+                    str(logs / f"{name}.log"),
+                    group_env(d, i, r, node_rank, nnodes, master_addr, master_port),
+                )
+            )
     return procs
 
 
@@ -137,9 +164,14 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
             rows.append((producer_name(p, k), devs[k], what))
     for d in job.drafters:
         for r in range(d.replicas):
-            rows.append((f"consumer-{d.name}-r{r}", d.device_of(r),
-                         f"drafter {d.name} (block {d.block_size}) replica {r} of {d.replicas}; fed by"
-                         f" {', '.join(producers)}"))
+            rows.append(
+                (
+                    f"consumer-{d.name}-r{r}",
+                    d.device_of(r),
+                    f"drafter {d.name} (block {d.block_size}) replica {r} of {d.replicas}; fed by"
+                    f" {', '.join(producers)}",
+                )
+            )
     rows.append(("telemetry", "-", f'one per machine; W&B run "node{node_rank}" in group "{job.job.name}"'))
     width = max(len(r[0]) for r in rows)
     dwidth = max(len(r[1]) for r in rows)
@@ -149,10 +181,14 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
     lines = [f"device map of job {job.job.name}, node {node_rank} of {nnodes}:"]
     lines += [f"  {n:<{width}}  {dev:<{dwidth}}  {what}" for n, dev, what in rows]
     ep = f" (EP {t.ep_size}: each rank holds 1/{t.ep_size} of the experts whole)" if t.ep_size > 1 else ""
-    lines.append(f"target: {t.replicas} replica(s) × TP {t.tp_size}{ep} = {t.replicas * t.tp_size} rank(s) on"
-                 f" {', '.join(target_devs)}; replica p makes batches p, p + {t.replicas}, ... of the node's plan")
-    lines.append(f"drafters: {consumers} replica(s) on {', '.join(drafter_devs)}; every one is fed by all"
-                 f" {t.replicas} producer(s) ({t.replicas} × {consumers} control connections and ring views)")
+    lines.append(
+        f"target: {t.replicas} replica(s) × TP {t.tp_size}{ep} = {t.replicas * t.tp_size} rank(s) on"
+        f" {', '.join(target_devs)}; replica p makes batches p, p + {t.replicas}, ... of the node's plan"
+    )
+    lines.append(
+        f"drafters: {consumers} replica(s) on {', '.join(drafter_devs)}; every one is fed by all"
+        f" {t.replicas} producer(s) ({t.replicas} × {consumers} control connections and ring views)"
+    )
     return "\n".join(lines)
 
 
@@ -166,16 +202,23 @@ def on_gpu(job: JobConfig) -> bool:
     return any(d.startswith("cuda") for d in devices)
 
 
-def memory_report(job: JobConfig, job_path: str, python: str, target_config: str | None,
-                  device_memory_gib: float | None) -> tuple[str, list[str]]:
+def memory_report(
+    job: JobConfig, job_path: str, python: str, target_config: str | None, device_memory_gib: float | None
+) -> tuple[str, list[str]]:
     """The per-device planned peak: each role plans its own processes (`python -m producer memory-plan`,
     `python -m consumer memory-plan`, run as commands: common imports no role), summed here per device."""
     if not on_gpu(job):
         return "planned GPU memory: every process of this job runs on the CPU", []
     extra = ["--target-config", target_config] if target_config else []
-    procs = {role: subprocess.Popen([python, "-m", role, "memory-plan", job_path, "--json", *extra],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for role in ("producer", "consumer")}  # side by side: each takes seconds of CPU
+    procs = {
+        role: subprocess.Popen(
+            [python, "-m", role, "memory-plan", job_path, "--json", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("producer", "consumer")
+    }  # side by side: each takes seconds of CPU
     entries: list[ProcessMemory] = []
     failure = None
     for role, proc in procs.items():
@@ -233,18 +276,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)))
     ap.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)))
-    ap.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
-                    help="node 0's address, where replica groups meet (default $MASTER_ADDR; 127.0.0.1 on one node)")
-    ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
-                    help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)")
+    ap.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR"),
+        help="node 0's address, where replica groups meet (default $MASTER_ADDR; 127.0.0.1 on one node)",
+    )
+    ap.add_argument(
+        "--master-port",
+        type=int,
+        default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+        help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)",
+    )
     ap.add_argument("--device-map", action="store_true", help="print the device map instead of the process list")
     ap.add_argument("--memory", action="store_true", help="with --device-map: each device's planned GPU memory")
-    ap.add_argument("--device-memory", type=float, default=None, metavar="GIB",
-                    help="memory of a GPU NVML does not report (this machine has none), to check the plan against")
-    ap.add_argument("--target-config", default=None, metavar="DIR",
-                    help="the target's model directory for the memory plan (default: target.path)")
-    ap.add_argument("--env-files", metavar="DIR", help="write each process's systemd environment file into DIR"
-                    " (deploy/systemd) and print the units to enable")
+    ap.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory of a GPU NVML does not report (this machine has none), to check the plan against",
+    )
+    ap.add_argument(
+        "--target-config",
+        default=None,
+        metavar="DIR",
+        help="the target's model directory for the memory plan (default: target.path)",
+    )
+    ap.add_argument(
+        "--env-files",
+        metavar="DIR",
+        help="write each process's systemd environment file into DIR (deploy/systemd) and print the units to enable",
+    )
     args = ap.parse_args(argv)
     if args.device_memory is not None and args.device_memory <= 0:
         print(f"--device-memory {args.device_memory:g}: a GPU's memory in GiB is a positive number", file=sys.stderr)
@@ -252,10 +314,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.job)
         if args.master_addr is None and args.nnodes > 1 and any(d.replicas * args.nnodes > 1 for d in job.drafters):
-            raise ConfigError("a job over several nodes needs --master-addr (or $MASTER_ADDR): the address of"
-                              " node 0, where every drafter's replicas meet")
-        procs = plan(job, os.path.abspath(args.job), args.python, args.node_rank, args.nnodes,
-                     args.master_addr or "127.0.0.1", args.master_port)
+            raise ConfigError(
+                "a job over several nodes needs --master-addr (or $MASTER_ADDR): the address of"
+                " node 0, where every drafter's replicas meet"
+            )
+        procs = plan(
+            job,
+            os.path.abspath(args.job),
+            args.python,
+            args.node_rank,
+            args.nnodes,
+            args.master_addr or "127.0.0.1",
+            args.master_port,
+        )
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
@@ -265,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device_map:
         print(device_map(job, args.node_rank, args.nnodes, args.master_port))
         if args.memory:
-            table, warnings = memory_report(job, os.path.abspath(args.job), args.python, args.target_config,
-                                            args.device_memory)
+            table, warnings = memory_report(
+                job, os.path.abspath(args.job), args.python, args.target_config, args.device_memory
+            )
             print(table)
             for w in warnings:
                 print(w)

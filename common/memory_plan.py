@@ -78,8 +78,10 @@ def nvml_device_bytes() -> dict[str, int]:
     except Exception:  # NVMLError_LibraryNotFound and friends: no GPU here
         return {}
     try:
-        return {f"cuda:{i}": int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
-                for i in range(pynvml.nvmlDeviceGetCount())}
+        return {
+            f"cuda:{i}": int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
+            for i in range(pynvml.nvmlDeviceGetCount())
+        }
     finally:
         pynvml.nvmlShutdown()
 
@@ -90,7 +92,10 @@ def gib(n: int) -> str:
 
 def render(entries: list[ProcessMemory], sizes: dict[str, int], default_size: int | None) -> tuple[str, list[str]]:
     """The per-device table (each process's parts on it) and one warning per device planned over its memory."""
-    lines, warnings = ["planned GPU memory per device (peak; fake-tensor run of the real code, see common/memory_plan.py):"], []
+    lines, warnings = (
+        ["planned GPU memory per device (peak; fake-tensor run of the real code, see common/memory_plan.py):"],
+        [],
+    )
     for dev, total in sorted(device_totals(entries).items(), key=lambda kv: _device_key(kv[0])):
         size = sizes.get(dev, default_size)
         of = f" of {gib(size)} ({100 * total / size:.0f} %)" if size else ""
@@ -99,8 +104,10 @@ def render(entries: list[ProcessMemory], sizes: dict[str, int], default_size: in
             parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items() if v)
             lines.append(f"      {e.process:<24} {gib(e.total):>10}  {parts}")
         if size and total > WARN_FRACTION * size:
-            warnings.append(f"WARNING: {dev} is planned at {gib(total)}, over {WARN_FRACTION:.0%} of its {gib(size)}"
-                            " (the rest is the caching allocator's headroom): the job would run out of memory there")
+            warnings.append(
+                f"WARNING: {dev} is planned at {gib(total)}, over {WARN_FRACTION:.0%} of its {gib(size)}"
+                " (the rest is the caching allocator's headroom): the job would run out of memory there"
+            )
     if not sizes and default_size is None:
         lines.append("  (device sizes unknown: no NVML here; pass --device-memory GIB to check them)")
     return "\n".join(lines), warnings

@@ -105,5 +105,14 @@ class PackedBatch:
         return {name: t for name in NAMES if (t := getattr(self, name)) is not None}
 
 
-__all__ = ["FIELDS", "HOST_FIELDS", "NAMES", "SEQ_TAG", "SLOT_ALIGN", "Field", "PackedBatch",
-           "required_slot_bytes", "slot_items"]
+__all__ = [
+    "FIELDS",
+    "HOST_FIELDS",
+    "NAMES",
+    "SEQ_TAG",
+    "SLOT_ALIGN",
+    "Field",
+    "PackedBatch",
+    "required_slot_bytes",
+    "slot_items",
+]

@@ -32,8 +32,17 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (*_DTYPE_NAMES, "bool")}
 _MAX_DIMS = 8
 _UNSEALED = object()  # a CUDA slot written since its last write_event
-__all__ = ["DTYPES", "HEADER_BYTES", "SEQ_TAG", "RingError", "SlotRing", "TensorSpec", "layout_from_wire",
-           "layout_to_wire", "plan_layout"]
+__all__ = [
+    "DTYPES",
+    "HEADER_BYTES",
+    "SEQ_TAG",
+    "RingError",
+    "SlotRing",
+    "TensorSpec",
+    "layout_from_wire",
+    "layout_to_wire",
+    "plan_layout",
+]
 
 
 def _mib(n: int) -> str:
@@ -69,18 +78,10 @@ class TensorSpec:
                 f"layout entry {self.name!r}: unknown dtype {self.dtype!r:.40} (known: {', '.join(DTYPES)})"
             )
         shape = self.shape
-        if (
-            not isinstance(shape, tuple)
-            or len(shape) > _MAX_DIMS
-            or not all(_is_int(d) and d >= 0 for d in shape)
-        ):
-            raise RingError(
-                f"layout entry {self.name!r}: shape {shape!r:.80} must be at most {_MAX_DIMS} sizes >= 0"
-            )
+        if not isinstance(shape, tuple) or len(shape) > _MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+            raise RingError(f"layout entry {self.name!r}: shape {shape!r:.80} must be at most {_MAX_DIMS} sizes >= 0")
         if not _is_int(self.offset) or self.offset < 0 or self.offset % SLOT_ALIGN:
-            raise RingError(
-                f"layout entry {self.name!r}: offset {self.offset!r:.40} is not a multiple of {SLOT_ALIGN}"
-            )
+            raise RingError(f"layout entry {self.name!r}: offset {self.offset!r:.40} is not a multiple of {SLOT_ALIGN}")
 
     @property
     def nbytes(self) -> int:
@@ -125,9 +126,7 @@ def layout_from_wire(obj: object) -> list[TensorSpec]:
 class SlotRing:
     """K slots of `slot_bytes` each; created by the producer (`create`) or opened by a consumer (`attach`)."""
 
-    def __init__(
-        self, kind: str, buf: torch.Tensor, num_slots: int, slot_bytes: int, canary: bytes, *, owner: bool
-    ):
+    def __init__(self, kind: str, buf: torch.Tensor, num_slots: int, slot_bytes: int, canary: bytes, *, owner: bool):
         self.kind = kind
         self.owner = owner  # the creator: removes the file / collects IPC blocks at close
         self.num_slots = num_slots
@@ -155,9 +154,7 @@ class SlotRing:
         if kind not in ("cpu", "cuda"):
             raise RingError(f"ring kind must be 'cpu' or 'cuda', got {kind!r}")
         if not _is_int(num_slots) or num_slots < 1 or not _is_int(slot_bytes) or slot_bytes < 1:
-            raise RingError(
-                f"ring needs num_slots >= 1 and slot_bytes >= 1, got {num_slots!r}, {slot_bytes!r}"
-            )
+            raise RingError(f"ring needs num_slots >= 1 and slot_bytes >= 1, got {num_slots!r}, {slot_bytes!r}")
         slot_bytes = aligned(slot_bytes)
         canary = secrets.token_bytes(16)
         if kind == "cpu":
@@ -187,16 +184,12 @@ class SlotRing:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            raise RingError(
-                f"{path} appeared while creating the ring: another producer of this job?"
-            ) from None
+            raise RingError(f"{path} appeared while creating the ring: another producer of this job?") from None
         try:
             try:  # allocates every tmpfs page now: a full tmpfs is ENOSPC here, never SIGBUS later
                 os.posix_fallocate(fd, 0, total)
             except OSError as e:
-                raise RingError(
-                    f"reserving {_mib(total)} in {path} failed ({e.strerror}); {_mib(free)} free"
-                ) from e
+                raise RingError(f"reserving {_mib(total)} in {path} failed ({e.strerror}); {_mib(free)} free") from e
             inode = os.fstat(fd).st_ino
             buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
             buf[:: os.sysconf("SC_PAGE_SIZE")].fill_(0)  # map every page writable in this process up front
@@ -211,9 +204,7 @@ class SlotRing:
         return ring
 
     def _write_header(self, total: int) -> None:
-        header = _HEADER.pack(
-            _MAGIC, _VERSION, self.num_slots, self.slot_bytes, total, os.getpid(), self.canary
-        )
+        header = _HEADER.pack(_MAGIC, _VERSION, self.num_slots, self.slot_bytes, total, os.getpid(), self.canary)
         self._ring()[: _HEADER.size].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
     def handle(self) -> dict:
@@ -234,9 +225,7 @@ class SlotRing:
         if not isinstance(handle, dict):
             raise RingError(f"ring handle must be a dict, got {type(handle).__name__}")
         if handle.get("kind") not in ("cpu", "cuda") or handle.get("version") != _VERSION:
-            raise RingError(
-                f"ring handle: unsupported kind/version {handle.get('kind')!r}/{handle.get('version')!r}"
-            )
+            raise RingError(f"ring handle: unsupported kind/version {handle.get('kind')!r}/{handle.get('version')!r}")
         want = dict.fromkeys(("num_slots", "slot_bytes", "total_bytes"), int)
         want.update(canary=bytes, **(dict(path=str) if handle["kind"] == "cpu" else dict(gpu_uuid=str)))
         for key, typ in want.items():
@@ -404,9 +393,7 @@ def _attach_shm(path: str, total: int) -> torch.Tensor:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        raise RingError(
-            f"ring file {path} does not exist: the producer is gone or runs on another host"
-        ) from None
+        raise RingError(f"ring file {path} does not exist: the producer is gone or runs on another host") from None
     if size != total:
         raise RingError(f"ring file {path} holds {size} bytes, the handle says {total}")
     return torch.from_file(path, shared=True, size=total, dtype=torch.uint8)

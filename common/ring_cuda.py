@@ -29,9 +29,11 @@ def allocate(nbytes: int, device: str | torch.device) -> torch.Tensor:
         device = torch.device("cuda", torch.cuda.current_device())
     total = max(-(-nbytes // _ROUND) * _ROUND, _MIN_ALLOC)
     if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # pyproject.toml's torch floor says so too
-        raise RingError(f"a cuda ring needs torch >= {TORCH_FOR_ALLOCATOR_SETTINGS} (it turns expandable segments"
-                        " off around its allocation with torch._C._accelerator_get/setAllocatorSettings);"
-                        f" this is torch {torch.__version__}")
+        raise RingError(
+            f"a cuda ring needs torch >= {TORCH_FOR_ALLOCATOR_SETTINGS} (it turns expandable segments"
+            " off around its allocation with torch._C._accelerator_get/setAllocatorSettings);"
+            f" this is torch {torch.__version__}"
+        )
     previous = torch._C._accelerator_getAllocatorSettings()
     expandable = "expandable_segments:true" in previous.replace(" ", "").lower()
     if expandable:

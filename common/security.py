@@ -42,11 +42,14 @@ def check_private_dir(path: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise InsecureEndpoint(f"{path} must be a folder, not a {'symlink' if stat.S_ISLNK(st.st_mode) else 'file'}")
     if st.st_uid != os.geteuid():
-        raise InsecureEndpoint(f"{path} belongs to uid {st.st_uid}, not to this job's user (uid {os.geteuid()}):"
-                               " another user could reach or replace its endpoints; remove it or use another run_dir")
+        raise InsecureEndpoint(
+            f"{path} belongs to uid {st.st_uid}, not to this job's user (uid {os.geteuid()}):"
+            " another user could reach or replace its endpoints; remove it or use another run_dir"
+        )
     if st.st_mode & 0o077:
-        raise InsecureEndpoint(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: group and others must have no"
-                               f" access (chmod 700 {path})")
+        raise InsecureEndpoint(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: group and others must have no access (chmod 700 {path})"
+        )
 
 
 def private_dir(path: Path) -> Path:
@@ -117,8 +120,10 @@ def client_curve(paths: RunPaths) -> CurveClient:
     root = keys_dir(paths)
     mine, server = root / "clients" / f"{CLIENT}.key_secret", root / f"{SERVER}.key"
     if not (mine.is_file() and server.is_file()):
-        raise InsecureEndpoint(f"cannot load this job's CURVE keys: {mine} and {server} are needed; the producer"
-                               " creates them at start, or run `python -m common.security keys RUN_DIR`")
+        raise InsecureEndpoint(
+            f"cannot load this job's CURVE keys: {mine} and {server} are needed; the producer"
+            " creates them at start, or run `python -m common.security keys RUN_DIR`"
+        )
     check_private_dir(root)
     public, secret = _load_pair(mine)
     server_public, _ = zmq.auth.load_certificate(server)
@@ -170,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_argument("run_dir")
     args = ap.parse_args(argv)
     root = ensure_curve_keys(RunPaths(Path(args.run_dir)))
-    print(f"keys in {root}: server.key(_secret); clients/{CLIENT}.key(_secret): copy keys/server.key and"
-          f" keys/clients/{CLIENT}.key_secret to consumers on other hosts (mode 0600)")
+    print(
+        f"keys in {root}: server.key(_secret); clients/{CLIENT}.key(_secret): copy keys/server.key and"
+        f" keys/clients/{CLIENT}.key_secret to consumers on other hosts (mode 0600)"
+    )
     return 0
 
 

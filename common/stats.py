@@ -353,8 +353,12 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def open_stats(run_paths: RunPaths, role: str, name: str, interval_s: float,
-               ) -> tuple[ProfileStats | None, StatsPublisher | None]:
+def open_stats(
+    run_paths: RunPaths,
+    role: str,
+    name: str,
+    interval_s: float,
+) -> tuple[ProfileStats | None, StatsPublisher | None]:
     """A process's profile and its publisher to the job's telemetry (both None when `interval_s` is 0),
     opened at start so that loading shows as a phase, not as a silent process."""
     if interval_s <= 0:

@@ -31,10 +31,16 @@ def check_writable(path: Path, what: str) -> None:
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as err:
-        hint = {errno.EROFS: "the file system is mounted read-only", errno.EACCES: "permission denied",
-                errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted"}
-        raise StorageError(f"{what} {path} is not writable: {hint.get(err.errno, err.strerror)}"
-                           f" ({err.filename or path}); choose a writable job.run_dir") from None
+        hint = {
+            errno.EROFS: "the file system is mounted read-only",
+            errno.EACCES: "permission denied",
+            errno.ENOSPC: "the disk is full",
+            errno.EDQUOT: "the disk quota is exhausted",
+        }
+        raise StorageError(
+            f"{what} {path} is not writable: {hint.get(err.errno, err.strerror)}"
+            f" ({err.filename or path}); choose a writable job.run_dir"
+        ) from None
 
 
 def check_room(path: Path, need_bytes: int, what: str) -> None:
@@ -42,5 +48,7 @@ def check_room(path: Path, need_bytes: int, what: str) -> None:
     check_writable(path, what)
     free = free_bytes(path)
     if free < need_bytes:
-        raise StorageError(f"{what} {path} has {_mib(free)} free but needs about {_mib(need_bytes)}: free"
-                           " space there or choose another job.run_dir")
+        raise StorageError(
+            f"{what} {path} has {_mib(free)} free but needs about {_mib(need_bytes)}: free"
+            " space there or choose another job.run_dir"
+        )

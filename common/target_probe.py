@@ -22,8 +22,12 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 
 def target_problem(job: JobConfig) -> str | None:
     """The first way `job` does not fit its target ("key: reason"), or None."""
-    return (slot_capacity_problem(job) or tensor_parallel_problem(job) or expert_parallel_problem(job)
-            or dflash2_group_problem(job))
+    return (
+        slot_capacity_problem(job)
+        or tensor_parallel_problem(job)
+        or expert_parallel_problem(job)
+        or dflash2_group_problem(job)
+    )
 
 
 def dflash2_group_problem(job: JobConfig) -> str | None:
@@ -38,8 +42,10 @@ def dflash2_group_problem(job: JobConfig) -> str | None:
         return None
     for i, d in enumerate(job.drafters):
         if d.arch == "dflash2" and hidden and hidden % d.conv_group_size:
-            return (f"drafters.{i}.conv_group_size: {d.conv_group_size} does not divide the target's hidden_size"
-                    f" {hidden} ({cfg_path}); choose a divisor (DFlash2's default 16)")
+            return (
+                f"drafters.{i}.conv_group_size: {d.conv_group_size} does not divide the target's hidden_size"
+                f" {hidden} ({cfg_path}); choose a divisor (DFlash2's default 16)"
+            )
     return None
 
 
@@ -62,8 +68,10 @@ def tensor_parallel_problem(job: JobConfig) -> str | None:
     for key in keys:
         value = text.get(key)
         if isinstance(value, int) and value % tp:
-            return (f"target.tp_size: tp_size = {tp} does not divide the target's {key}"
-                    f" ({value}, {cfg_path}): tensor parallelism splits it evenly across the ranks")
+            return (
+                f"target.tp_size: tp_size = {tp} does not divide the target's {key}"
+                f" ({value}, {cfg_path}): tensor parallelism splits it evenly across the ranks"
+            )
     return None
 
 
@@ -84,13 +92,17 @@ def expert_parallel_problem(job: JobConfig) -> str | None:
         return None  # the producer names a config.json transformers cannot read when it loads the target
     where = f"{type(text).__name__}, {cfg_path}"
     if not getattr(text, "base_model_ep_plan", None):
-        return (f"target.ep_size: ep_size = {ep} but the target ({where}) has no expert-parallel"
-                " plan in transformers (base_model_ep_plan): expert parallelism needs a MoE target such as"
-                " qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3 or glm4_moe; set ep_size = 1")
+        return (
+            f"target.ep_size: ep_size = {ep} but the target ({where}) has no expert-parallel"
+            " plan in transformers (base_model_ep_plan): expert parallelism needs a MoE target such as"
+            " qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3 or glm4_moe; set ep_size = 1"
+        )
     experts = next((v for k in EXPERT_COUNT_KEYS if isinstance(v := getattr(text, k, None), int)), None)
     if experts is not None and experts % ep:
-        return (f"target.ep_size: ep_size = {ep} does not divide the target's {experts} experts"
-                f" ({where}): each rank holds an equal share of whole experts")
+        return (
+            f"target.ep_size: ep_size = {ep} does not divide the target's {experts} experts"
+            f" ({where}): each rank holds an equal share of whole experts"
+        )
     return None
 
 
@@ -103,9 +115,11 @@ def slot_capacity_problem(job: JobConfig) -> str | None:
         return None
     need = required_slot_bytes(job.data.tokens_per_batch, width, job.target.dtype)
     if job.transport.slot_bytes < need:
-        return (f"transport.slot_bytes: {job.transport.slot_bytes} bytes is smaller than the largest"
-                f" batch ({need} bytes for data.tokens_per_batch={job.data.tokens_per_batch} tokens ×"
-                f" {width} features in {job.target.dtype}); raise it or set 0 to size it automatically")
+        return (
+            f"transport.slot_bytes: {job.transport.slot_bytes} bytes is smaller than the largest"
+            f" batch ({need} bytes for data.tokens_per_batch={job.data.tokens_per_batch} tokens ×"
+            f" {width} features in {job.target.dtype}); raise it or set 0 to size it automatically"
+        )
     return None
 
 

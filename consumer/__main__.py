@@ -35,20 +35,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--drafter", required=True, help="drafter name, as in [[drafters]] name")
     ap.add_argument("--replica", type=int, default=0)
-    ap.add_argument("--profile-interval", type=float, default=None,
-                    help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
+    ap.add_argument(
+        "--profile-interval",
+        type=float,
+        default=None,
+        help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)",
+    )
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--nnodes", type=int, default=1)
-    ap.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                    help="seconds any replica-group collective may wait for the others (default %(default)s)")
-    ap.add_argument("--trace", default=None,
-                    help="append one JSON line per optimizer step (seqs, samples, parameter digest) to this file")
+    ap.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds any replica-group collective may wait for the others (default %(default)s)",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="append one JSON line per optimizer step (seqs, samples, parameter digest) to this file",
+    )
     args = ap.parse_args(argv)
     stop = StopSignal()  # from here on SIGTERM/SIGINT/SIGHUP end the process cleanly, start-up included
     watch_supervisor()  # and launch.sh's death (a SIGTERM from the kernel): never an orphan holding the job
     node = f"n{args.node_rank}." if args.nnodes > 1 else ""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {args.drafter}.{node}r{args.replica} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.drafter}.{node}r{args.replica} %(levelname)s %(message)s",
+    )
     try:
         job = load_job(args.job)
         cfg = job.drafter(args.drafter)
@@ -64,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return 2
     try:
-        env = GroupEnv.resolve(os.environ, replica=args.replica, replicas=cfg.replicas, node_rank=args.node_rank,
-                               nnodes=args.nnodes)
+        env = GroupEnv.resolve(
+            os.environ, replica=args.replica, replicas=cfg.replicas, node_rank=args.node_rank, nnodes=args.nnodes
+        )
     except GroupError as err:
         log.error("%s", err)
         return 2
@@ -97,10 +112,30 @@ def main(argv: list[str] | None = None) -> int:
         if stop.reason:  # stopped while loading: nothing trained, nothing to save
             log.info("%s: %s during start-up; exiting", name, stop.reason)
             return 0
-        service = build_consumer(job, cfg, env, group, device, training, stop=stop, prof=prof, stats=stats,
-                                 beat=beat, name=name, launch_id=lock.launch_id, trace_path=args.trace)
-        log.info("%s on %s (pid %d): %d layers, block %d, target layers %s", name, device, os.getpid(),
-                 cfg.num_layers, cfg.block_size, training.layer_ids)
+        service = build_consumer(
+            job,
+            cfg,
+            env,
+            group,
+            device,
+            training,
+            stop=stop,
+            prof=prof,
+            stats=stats,
+            beat=beat,
+            name=name,
+            launch_id=lock.launch_id,
+            trace_path=args.trace,
+        )
+        log.info(
+            "%s on %s (pid %d): %d layers, block %d, target layers %s",
+            name,
+            device,
+            os.getpid(),
+            cfg.num_layers,
+            cfg.block_size,
+            training.layer_ids,
+        )
         return service.run()
     except GroupError as err:
         log.error("%s", err)

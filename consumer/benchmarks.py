@@ -47,12 +47,19 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
     "gsm8k": BenchmarkSpec("openai/gsm8k", "main", "test", ("question",), lambda r: [r["question"] + REASON]),
     "math500": BenchmarkSpec("HuggingFaceH4/MATH-500", None, "test", ("problem",), lambda r: [r["problem"] + REASON]),
     "humaneval": BenchmarkSpec(
-        "openai/openai_humaneval", None, "test", ("prompt",),
-        lambda r: ["Write a solution to the following problem and make sure that it passes the tests:\n"
-                   f"```python\n{r['prompt']}\n```"],
+        "openai/openai_humaneval",
+        None,
+        "test",
+        ("prompt",),
+        lambda r: [
+            "Write a solution to the following problem and make sure that it passes the tests:\n"
+            f"```python\n{r['prompt']}\n```"
+        ],
     ),
     "mbpp": BenchmarkSpec("google-research-datasets/mbpp", "sanitized", "test", ("prompt",), lambda r: [r["prompt"]]),
-    "mt-bench": BenchmarkSpec("HuggingFaceH4/mt_bench_prompts", None, "train", ("prompt",), lambda r: list(r["prompt"])),
+    "mt-bench": BenchmarkSpec(
+        "HuggingFaceH4/mt_bench_prompts", None, "train", ("prompt",), lambda r: list(r["prompt"])
+    ),
     "alpaca": BenchmarkSpec("tatsu-lab/alpaca", None, "train", ("instruction", "input"), _alpaca, shuffle_seed=42),
 }
 

@@ -52,8 +52,12 @@ class BestCheckpoint:
             if (self.root / self.best.checkpoint).is_dir():  # a crash between the record and the pointer
                 write_pointer(self.root, self.best.checkpoint, BEST)
             else:
-                log.warning("%s names %s, which is gone; the best τ %.3f stays the value to beat",
-                            self.root / RECORD, self.best.checkpoint, self.best.tau)
+                log.warning(
+                    "%s names %s, which is gone; the best τ %.3f stays the value to beat",
+                    self.root / RECORD,
+                    self.best.checkpoint,
+                    self.best.tau,
+                )
 
     def _read(self) -> Best | None:
         path = self.root / RECORD
@@ -61,8 +65,9 @@ class BestCheckpoint:
             return None
         try:
             doc = json.loads(path.read_text())
-            return Best(str(doc["checkpoint"]), int(doc["step"]), float(doc["tau"]), float(doc["loss"]),
-                        int(doc["pass"]))
+            return Best(
+                str(doc["checkpoint"]), int(doc["step"]), float(doc["tau"]), float(doc["loss"]), int(doc["pass"])
+            )
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("%s is unreadable (%s): starting without a best checkpoint", path, err)
             return None

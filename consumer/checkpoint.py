@@ -84,6 +84,7 @@ def checkpoint_bytes(trainer) -> int:
 def _state_bytes(state: dict, export_dtype: str) -> int:
     """About what `state` takes on disk written as a checkpoint: every tensor it holds, plus its weights again
     in the export dtype (checkpoint_bytes from the state instead of the trainer)."""
+
     def tensors(obj):
         if torch.is_tensor(obj):
             yield obj
@@ -134,8 +135,11 @@ def _write_error(root: Path, state: dict, export: dict, err: Exception) -> Check
     current = read_pointer(root) or "none"
     reason = os.strerror(code) if code != errno.EIO else f"{type(err).__name__}: {err}"
     room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
-    return CheckpointWriteError(code, f"cannot write checkpoint step_{state['step']} in {root}: {reason} ({room});"
-                                      f" the previous checkpoint ({current}) is intact and stays current")
+    return CheckpointWriteError(
+        code,
+        f"cannot write checkpoint step_{state['step']} in {root}: {reason} ({room});"
+        f" the previous checkpoint ({current}) is intact and stays current",
+    )
 
 
 def _write(root: Path, state: dict, export: dict, keep_last: int) -> Path:
@@ -222,8 +226,9 @@ def _check_manifest(path: Path) -> None:
         if file.stat().st_size != size:
             raise CheckpointCorrupt(f"{file} has {file.stat().st_size} bytes, {MANIFEST} says {size} (truncated?)")
         if _digest(file) != digest:
-            raise CheckpointCorrupt(f"{file} does not match its {DIGEST} digest in {MANIFEST} (changed after it was"
-                                    " written)")
+            raise CheckpointCorrupt(
+                f"{file} does not match its {DIGEST} digest in {MANIFEST} (changed after it was written)"
+            )
 
 
 def _non_finite(tensors: dict, where: str) -> str | None:
@@ -310,11 +315,16 @@ def load_latest(ckpt_root: str | Path) -> Checkpoint | None:
             faults.append((path, str(err)))
             continue
         if faults:
-            log.warning("resuming from the previous intact checkpoint %s (step %d) instead of %s", path, ckpt.step,
-                        ", ".join(p.name for p, _ in faults))
+            log.warning(
+                "resuming from the previous intact checkpoint %s (step %d) instead of %s",
+                path,
+                ckpt.step,
+                ", ".join(p.name for p, _ in faults),
+            )
         return dataclasses.replace(ckpt, skipped=tuple(p for p, _ in faults))
     raise NoIntactCheckpoint(
-        f"no intact checkpoint in {root}: " + "; ".join(msg for _, msg in faults)
+        f"no intact checkpoint in {root}: "
+        + "; ".join(msg for _, msg in faults)
         + ". Move the folder aside to start afresh, or restore a checkpoint from a backup"
     )
 

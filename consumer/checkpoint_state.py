@@ -33,8 +33,9 @@ from consumer.group_cursor import GroupCursor
 from consumer.shape import check_shape
 
 
-def checkpoint_state(trainer: dict, *, shape: dict, cursor: GroupCursor | None = None, world_size: int = 1,
-                     ledger: dict | None = None) -> dict:
+def checkpoint_state(
+    trainer: dict, *, shape: dict, cursor: GroupCursor | None = None, world_size: int = 1, ledger: dict | None = None
+) -> dict:
     """trainer_state.pt's dict: the trainer's state (CPU tensors, as Trainer.state_dict gives them), the
     drafter's shape, and the group's cursor and ledger entry when there is a group and a ledger."""
     state = {**trainer, "shape": shape}

@@ -57,11 +57,20 @@ class BufferSets:
         out, allocated = {}, False
         for name, view in views.items():
             buf = bufset.tensors.get(name)
-            if buf is None or buf.dtype != view.dtype or buf.shape[1:] != view.shape[1:] or buf.shape[0] < view.shape[0]:
+            if (
+                buf is None
+                or buf.dtype != view.dtype
+                or buf.shape[1:] != view.shape[1:]
+                or buf.shape[0] < view.shape[0]
+            ):
                 rows = max(view.shape[0], self.min_rows)
                 on_host = name in HOST_FIELDS  # sizes the step on the host: copied there, no device sync later
-                buf = torch.empty((rows, *view.shape[1:]), dtype=view.dtype, device="cpu" if on_host else self.device,
-                                  pin_memory=on_host and self.pin_host)
+                buf = torch.empty(
+                    (rows, *view.shape[1:]),
+                    dtype=view.dtype,
+                    device="cpu" if on_host else self.device,
+                    pin_memory=on_host and self.pin_host,
+                )
                 bufset.tensors[name] = buf
                 allocated = True
             out[name] = buf[: view.shape[0]]
@@ -83,7 +92,9 @@ class CopyOut:
         self._tag = torch.empty(1, dtype=torch.int64, pin_memory=self.cuda)
         self._training = device.type == "cuda"  # the consumer's own GPU runs the step, on its current stream
 
-    def copy(self, views: dict[str, torch.Tensor], tag: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], int | None]:
+    def copy(
+        self, views: dict[str, torch.Tensor], tag: torch.Tensor | None
+    ) -> tuple[dict[str, torch.Tensor], int | None]:
         """Copy `views` (and then the slot's seq `tag`) out; returns the buffers and the tag's value. When it
         returns, the reads of the slot are complete: the slot may be released."""
         previous = self.sets.sets[self.sets.turn] if self.sets.turn >= 0 else None

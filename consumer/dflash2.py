@@ -68,8 +68,9 @@ class GroupedDynamicCausalConv(nn.Module):
     def __init__(self, hidden_size: int, shape: DFlash2Shape):
         super().__init__()
         if hidden_size % shape.conv_group_size:
-            raise ValueError(f"drafters.conv_group_size = {shape.conv_group_size} must divide the target's"
-                             f" hidden_size {hidden_size}")
+            raise ValueError(
+                f"drafters.conv_group_size = {shape.conv_group_size} must divide the target's hidden_size {hidden_size}"
+            )
         self.block_size, self.group_size, self.taps = shape.block_size, shape.conv_group_size, shape.conv_kernel_size
         self.groups = hidden_size // shape.conv_group_size
         self.base_kernel = nn.Parameter(torch.empty(2, self.taps, hidden_size))  # [2 (in, out), K, H]
@@ -132,13 +133,21 @@ class CandidateSelector(nn.Module):
 class DFlash2Drafter(DFlashDrafter):
     # identity-initialised parameters a DFlash1 state dict of the same shape lacks: `load_dflash1_state`
     # keeps their init (the warm start a DFlash1 drafter directory gives a DFlash2 job)
-    IDENTITY_INIT_SUFFIXES = ("attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
-                              "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight")
-    SELECTOR_PARAMS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-                       "candidate_selector.hidden_projection.weight")
+    IDENTITY_INIT_SUFFIXES = (
+        "attention_conv.base_kernel",
+        "attention_conv.kernel_projection.weight",
+        "mlp_conv.base_kernel",
+        "mlp_conv.kernel_projection.weight",
+    )
+    SELECTOR_PARAMS = (
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+    )
 
-    def __init__(self, arch: DrafterArch, shape: DFlash2Shape, embed_tokens: Tensor, lm_head: Tensor,
-                 init_seed: int = 0):
+    def __init__(
+        self, arch: DrafterArch, shape: DFlash2Shape, embed_tokens: Tensor, lm_head: Tensor, init_seed: int = 0
+    ):
         self.shape = shape  # read by _make_layer during DFlashDrafter.__init__
         super().__init__(arch, embed_tokens, lm_head, init_seed)
         self.candidate_selector = CandidateSelector(arch.hidden_size, lm_head.shape[0], shape)
@@ -165,7 +174,8 @@ class DFlash2Drafter(DFlashDrafter):
         """The parameter names a DFlash1 source of the same shape may lack (identity-initialised here) and the
         selector's (freshly initialised: S = U at step 0)."""
         return [f"layers.{i}.{s}" for i in range(num_layers) for s in cls.IDENTITY_INIT_SUFFIXES] + list(
-            cls.SELECTOR_PARAMS)
+            cls.SELECTOR_PARAMS
+        )
 
     @torch.no_grad()
     def walk(self, hidden: Tensor, anchor: Tensor) -> Tensor:
@@ -174,7 +184,7 @@ class DFlash2Drafter(DFlashDrafter):
         unary, cand = self.logits(hidden).float().topk(self.candidate_selector.top_k, dim=-1)  # [B-1, k]
         drafts, prev = [], anchor.view(1)
         for t in range(hidden.shape[0]):
-            scores = self.candidate_selector(hidden[t:t + 1], unary[t:t + 1], cand[t:t + 1], prev)  # [1, k]
+            scores = self.candidate_selector(hidden[t : t + 1], unary[t : t + 1], cand[t : t + 1], prev)  # [1, k]
             prev = cand[t, scores.argmax(-1)]
             drafts.append(prev)
         return torch.cat(drafts)
@@ -187,15 +197,21 @@ class DFlash2Drafter(DFlashDrafter):
         new = set(self.identity_init_params(self.arch.num_layers))
         mine = self.state_dict()
         if new & set(state):
-            raise ValueError(f"{source} holds DFlash2 tensors ({sorted(new & set(state))[:2]}): it is not a DFlash1"
-                             " state (a DFlash2 state loads as it is)")
+            raise ValueError(
+                f"{source} holds DFlash2 tensors ({sorted(new & set(state))[:2]}): it is not a DFlash1"
+                " state (a DFlash2 state loads as it is)"
+            )
         unknown = sorted(set(state) - set(mine))
         missing = sorted(set(mine) - set(state) - new)
         if unknown or missing:
-            raise ValueError(f"{source} is not a DFlash1 drafter of this shape: unexpected {unknown[:4]},"
-                             f" missing {missing[:4]}")
-        bad = [f"{k} {tuple(v.shape)} (this drafter {tuple(mine[k].shape)})" for k, v in state.items()
-               if v.shape != mine[k].shape]
+            raise ValueError(
+                f"{source} is not a DFlash1 drafter of this shape: unexpected {unknown[:4]}, missing {missing[:4]}"
+            )
+        bad = [
+            f"{k} {tuple(v.shape)} (this drafter {tuple(mine[k].shape)})"
+            for k, v in state.items()
+            if v.shape != mine[k].shape
+        ]
         if bad:
             raise ValueError(f"{source}: tensor shapes differ from this drafter's: {', '.join(bad[:3])}")
         self.load_state_dict({**mine, **state})
@@ -223,8 +239,9 @@ class DFlash2Proposer:
         return self.model.walk(h[1:], block[0])
 
 
-def make_drafter(cfg: DrafterConfig, arch: DrafterArch, embed_tokens: Tensor, lm_head: Tensor,
-                 init_seed: int) -> DFlashDrafter:
+def make_drafter(
+    cfg: DrafterConfig, arch: DrafterArch, embed_tokens: Tensor, lm_head: Tensor, init_seed: int
+) -> DFlashDrafter:
     """The drafter `cfg.arch` names (drafters.arch)."""
     if cfg.arch == "dflash2":
         return DFlash2Drafter(arch, DFlash2Shape.from_config(cfg), embed_tokens, lm_head, init_seed)
@@ -250,8 +267,14 @@ def _edge_scores(model: DFlash2Drafter, h: Tensor, cand: Tensor, prev: Tensor) -
     return model.candidate_selector(h, unary, cand, prev)
 
 
-def selector_loss(model: DFlash2Drafter, hidden: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int,
-                  candidates: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def selector_loss(
+    model: DFlash2Drafter,
+    hidden: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    chunk_rows: int,
+    candidates: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """hidden [Q, H] final-normed block rows, labels/weights [Q] of consumer.objective.DraftBatch ->
     (Σ w · CE_sel as a float32 scalar, stats [3] float64: Σ valid slots, Σ gold in top-k, Σ selector argmax is
     gold). candidates [Q, k]: the unary top-k, as chunked_lm_head_loss(top_k_out=...) gives them in its own

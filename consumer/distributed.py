@@ -61,8 +61,9 @@ def collective(who: str, what: str, fn: Callable[[], T], timeout_s: float | None
         return fn()
     except RuntimeError as err:
         late = f"one did not reach it within {timeout_s:.0f} s" if timeout_s else "one timed out"
-        raise GroupError(f"{who}: the group failed during {what} (a replica died, or {late}):"
-                         f" {str(err).splitlines()[0][:300]}") from err
+        raise GroupError(
+            f"{who}: the group failed during {what} (a replica died, or {late}): {str(err).splitlines()[0][:300]}"
+        ) from err
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -77,8 +78,9 @@ class GroupEnv:
     master_port: int
 
     @classmethod
-    def resolve(cls, environ: Mapping[str, str], *, replica: int, replicas: int, node_rank: int,
-                nnodes: int) -> GroupEnv:
+    def resolve(
+        cls, environ: Mapping[str, str], *, replica: int, replicas: int, node_rank: int, nnodes: int
+    ) -> GroupEnv:
         """The group coordinates from the command line, checked against torchrun's variables when set."""
         if not 0 <= node_rank < nnodes:
             raise GroupError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
@@ -130,8 +132,15 @@ class RoundFlags:
 class ReplicaGroup:
     """Collectives of one drafter's replicas; with a world of one every method is local and free."""
 
-    def __init__(self, env: GroupEnv, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 prof: ProfileStats | None = None, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(
+        self,
+        env: GroupEnv,
+        device: torch.device,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        prof: ProfileStats | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):
         self.env = env
         self.device = device
         self.timeout_s = timeout_s
@@ -143,8 +152,14 @@ class ReplicaGroup:
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                                  timeout=timeout, wait_for_workers=False)
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=env.rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         except (RuntimeError, OSError) as err:  # DistNetworkError, DistStoreError are RuntimeErrors
             raise GroupError(
@@ -173,8 +188,11 @@ class ReplicaGroup:
         """distributed = "fsdp": the trainer's weights, gradients and Adam moments sharded over the group
         (FSDP2, Trainer.shard), from rank 0's weights. A group of one has nothing to shard: said, not hidden."""
         if self.world_size == 1:
-            log.warning("drafter %s: distributed = 'fsdp' with a group of one replica: nothing to shard over,"
-                        " the drafter trains unsharded", trainer.cfg.name)
+            log.warning(
+                "drafter %s: distributed = 'fsdp' with a group of one replica: nothing to shard over,"
+                " the drafter trains unsharded",
+                trainer.cfg.name,
+            )
             return
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -216,7 +234,7 @@ class ReplicaGroup:
             self._collective("the gradient all-reduce", lambda flat=flat: dist.all_reduce(flat))
             offset = 0
             for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         if self.prof:
             self.prof.add("allreduce_grads", time.perf_counter() - start)
@@ -232,7 +250,7 @@ class ReplicaGroup:
             self._collective("the parameter broadcast", lambda flat=flat: dist.broadcast(flat, 0))
             offset = 0
             for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def broadcast_state(self, load: Callable[[], tuple[str, dict] | None]) -> tuple[str, dict] | None:
@@ -252,8 +270,11 @@ class ReplicaGroup:
         self._collective("the checkpoint broadcast", lambda: dist.broadcast(size, 0))
         if int(size) == 0:
             return None
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(size), dtype=torch.uint8)
+        data = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if self.rank == 0
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
         self._collective("the checkpoint broadcast", lambda: dist.broadcast(data, 0))
         if self.rank == 0:
             return loaded  # what it sent, bit for bit: no need to decode its own copy
@@ -272,12 +293,12 @@ class ReplicaGroup:
         longest = max(int(s) for s in sizes)
         mine = torch.full((longest + 1,), -1, dtype=torch.int64)
         mine[0] = node
-        mine[1:1 + len(seqs)] = torch.tensor(seqs, dtype=torch.int64)
+        mine[1 : 1 + len(seqs)] = torch.tensor(seqs, dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._collective("the cursor all-gather", lambda: dist.all_gather(rows, mine))
         merged: dict[int, list[int]] = {}
         for row, size in zip(rows, sizes, strict=True):
-            merged.setdefault(int(row[0]), []).extend(row[1:1 + int(size)].tolist())
+            merged.setdefault(int(row[0]), []).extend(row[1 : 1 + int(size)].tolist())
         return merged
 
     def close(self) -> None:
@@ -318,10 +339,21 @@ class StepTrace:
         for p in params:
             t = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
             digest.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        self.file.write(json.dumps({
-            "rank": self.rank, "node": self.node_rank, "step": step, "seqs": seqs, "samples": samples,
-            "tokens": tokens, "digest": digest.hexdigest()[:32], "time": time.time(),
-        }) + "\n")
+        self.file.write(
+            json.dumps(
+                {
+                    "rank": self.rank,
+                    "node": self.node_rank,
+                    "step": step,
+                    "seqs": seqs,
+                    "samples": samples,
+                    "tokens": tokens,
+                    "digest": digest.hexdigest()[:32],
+                    "time": time.time(),
+                }
+            )
+            + "\n"
+        )
 
     def close(self) -> None:
         self.file.close()

@@ -117,12 +117,18 @@ def run_benchmark(
     if not prompts:
         raise ValueError("run_benchmark: no prompts")
     kwargs = dict(chat_template_kwargs or {})
-    stops = [tokenizer.eos_token_id] if stop_token_ids is None and tokenizer.eos_token_id is not None else stop_token_ids
+    stops = (
+        [tokenizer.eos_token_id] if stop_token_ids is None and tokenizer.eos_token_id is not None else stop_token_ids
+    )
     device = next(target.model.parameters()).device
     torch.manual_seed(seed)
     # one target, read at each drafter's own layers (a published drafter may fuse other layers than ours)
-    runners = {name: target if list(getattr(d, "layer_ids", target.layer_ids)) == target.layer_ids
-               else TargetRunner(target.model, d.layer_ids) for name, d in drafters.items()}
+    runners = {
+        name: target
+        if list(getattr(d, "layer_ids", target.layer_ids)) == target.layer_ids
+        else TargetRunner(target.model, d.layer_ids)
+        for name, d in drafters.items()
+    }
     if warmup:  # allocator and kernel set-up stay out of the timings
         ids = torch.tensor(render(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], kwargs), device=device)
         greedy_generate(target, ids, min(8, max_new_tokens), stops, temperature)
@@ -146,9 +152,15 @@ def run_benchmark(
                 tallies[name].add(spec)
                 pos = first_difference(plain.tokens, spec.tokens) if temperature == 0.0 else None
                 if pos is not None:
-                    tallies[name].mismatches.append({"prompt": p.index, "turn": turn, "position": pos,
-                                                     "plain": plain.tokens[pos : pos + 8],
-                                                     "speculative": spec.tokens[pos : pos + 8]})
+                    tallies[name].mismatches.append(
+                        {
+                            "prompt": p.index,
+                            "turn": turn,
+                            "position": pos,
+                            "plain": plain.tokens[pos : pos + 8],
+                            "speculative": spec.tokens[pos : pos + 8],
+                        }
+                    )
             messages.append({"role": "assistant", "content": tokenizer.decode(plain.tokens, skip_special_tokens=True)})
     return BenchmarkResult(
         prompts=len(prompts),
@@ -162,8 +174,11 @@ def run_benchmark(
 
 def document(results: dict[str, BenchmarkResult], **settings) -> dict:
     """The JSON document: the settings (temperature, chat_template_kwargs, …) and every result."""
-    return {**settings, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "benchmarks": {name: asdict(r) for name, r in results.items()}}
+    return {
+        **settings,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "benchmarks": {name: asdict(r) for name, r in results.items()},
+    }
 
 
 def _histogram_cell(hist: list[int]) -> str:
@@ -174,14 +189,20 @@ def _histogram_cell(hist: list[int]) -> str:
 
 def format_table(results: dict[str, BenchmarkResult], temperature: float, chat_template_kwargs: dict) -> str:
     """One row per (benchmark, drafter); the histogram row under it gives % of steps accepting 1..B."""
-    head = [f"temperature {temperature:g}, chat_template_kwargs {chat_template_kwargs or {}}",
-            "tau: mean tokens per step (bonus included); speedup: time per token, plain / speculative"]
+    head = [
+        f"temperature {temperature:g}, chat_template_kwargs {chat_template_kwargs or {}}",
+        "tau: mean tokens per step (bonus included); speedup: time per token, plain / speculative",
+    ]
     cols = f"{'benchmark':<10} {'drafter':<14} {'resp':>5} {'tau':>6} {'tok/s':>8} {'plain':>8} {'speedup':>7} lossless"
     lines = [*head, cols, "-" * len(cols)]
     for bench, r in results.items():
         for name, d in r.drafters.items():
             lossless = "n/a" if d.lossless is None else ("yes" if d.lossless else f"NO ({len(d.mismatches)})")
-            lines.append(f"{bench:<10} {name[:14]:<14} {d.responses:>5} {d.tau:>6.2f} {d.tokens_per_second:>8.1f}"
-                         f" {r.plain_tokens_per_second:>8.1f} {d.speedup:>6.2f}x {lossless}")
-            lines.append(f"{'':<10} {'':<14} accepted 1..{d.block_size} (% of steps): {_histogram_cell(d.tau_histogram)}")
+            lines.append(
+                f"{bench:<10} {name[:14]:<14} {d.responses:>5} {d.tau:>6.2f} {d.tokens_per_second:>8.1f}"
+                f" {r.plain_tokens_per_second:>8.1f} {d.speedup:>6.2f}x {lossless}"
+            )
+            lines.append(
+                f"{'':<10} {'':<14} accepted 1..{d.block_size} (% of steps): {_histogram_cell(d.tau_histogram)}"
+            )
     return "\n".join(lines)

@@ -54,21 +54,39 @@ def chat_kwargs(thinking: str, extra: str | None) -> dict:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="target model directory (HF format, local); for --server: its tokenizer")
-    ap.add_argument("--drafter", action="append", default=[], metavar="[NAME=]CKPT",
-                    help="drafter export directory (ours or z-lab's layout) or checkpoint root; repeat to compare")
-    ap.add_argument("--bench", help="comma list of " + ", ".join(BENCHMARKS) + ", NAME=PATH (local copy in the"
-                    " dataset's schema) or FILE.jsonl (own prompts)")
+    ap.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="[NAME=]CKPT",
+        help="drafter export directory (ours or z-lab's layout) or checkpoint root; repeat to compare",
+    )
+    ap.add_argument(
+        "--bench",
+        help="comma list of " + ", ".join(BENCHMARKS) + ", NAME=PATH (local copy in the"
+        " dataset's schema) or FILE.jsonl (own prompts)",
+    )
     ap.add_argument("--prompts", help="single-drafter report on a JSONL of chat records or {'prompt': ...}")
     ap.add_argument("--server", metavar="URL", help="an OpenAI-compatible SGLang or vLLM server running DFlash")
     ap.add_argument("--engine", choices=["auto", "sglang", "vllm"], default="auto")
     ap.add_argument("--model", help="--server with vLLM: the served model name (default: the first listed)")
-    ap.add_argument("--num-prompts", "--limit", dest="num_prompts", type=int, default=None,
-                    help="prompts per benchmark (z-lab's choice of records: random.seed(0) then a shuffle)")
+    ap.add_argument(
+        "--num-prompts",
+        "--limit",
+        dest="num_prompts",
+        type=int,
+        default=None,
+        help="prompts per benchmark (z-lab's choice of records: random.seed(0) then a shuffle)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 2048 for --bench (z-lab's), 128 else")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=None, help="--server: default 1 at temperature 0, else -1 (off)")
-    ap.add_argument("--thinking", choices=["on", "off"], default="off",
-                    help="chat_template_kwargs enable_thinking (z-lab's default: off)")
+    ap.add_argument(
+        "--thinking",
+        choices=["on", "off"],
+        default="off",
+        help="chat_template_kwargs enable_thinking (z-lab's default: off)",
+    )
     ap.add_argument("--chat-template-kwargs", help="a JSON object merged into chat_template_kwargs")
     ap.add_argument("--seed", type=int, default=0, help="torch seed for sampling (temperature > 0)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -102,15 +120,31 @@ def _bench_main(args, kwargs: dict) -> int:
     max_new = args.max_new_tokens or 2048
     results = {}
     for name, prompts in benches:
+
         def progress(done: int, total: int, name: str = name) -> None:  # long runs say where they are
             if done % 16 == 0:
                 print(f"dflash-eval: {name}: {done}/{total} prompts", file=sys.stderr, flush=True)
 
-        results[name] = run_benchmark(target, drafters, tokenizer, prompts, max_new_tokens=max_new,
-                                      temperature=args.temperature, chat_template_kwargs=kwargs, seed=args.seed,
-                                      progress=progress)
-    doc = document(results, target=str(args.target), drafters=dict(named), temperature=args.temperature,
-                   max_new_tokens=max_new, num_prompts=args.num_prompts, chat_template_kwargs=kwargs)
+        results[name] = run_benchmark(
+            target,
+            drafters,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new,
+            temperature=args.temperature,
+            chat_template_kwargs=kwargs,
+            seed=args.seed,
+            progress=progress,
+        )
+    doc = document(
+        results,
+        target=str(args.target),
+        drafters=dict(named),
+        temperature=args.temperature,
+        max_new_tokens=max_new,
+        num_prompts=args.num_prompts,
+        chat_template_kwargs=kwargs,
+    )
     _emit(doc, format_table(results, args.temperature, kwargs), args)
     bad = [(b, n) for b, r in results.items() for n, d in r.drafters.items() if d.lossless is False]
     if bad:
@@ -130,13 +164,26 @@ def _server_main(args, kwargs: dict) -> int:
     for b in args.bench.split(","):
         name, prompts = load_benchmark(b.strip(), None)
         prompts = prompts[: args.num_prompts]  # z-lab's server path: the first N records, first turns
-        r = run_server(args.server, prompts, engine=args.engine, tokenizer=tokenizer, model=args.model,
-                       max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
-                       chat_template_kwargs=kwargs)
+        r = run_server(
+            args.server,
+            prompts,
+            engine=args.engine,
+            tokenizer=tokenizer,
+            model=args.model,
+            max_new_tokens=max_new,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            chat_template_kwargs=kwargs,
+        )
         results[name] = asdict(r)
         texts.append(format_server(name, r))
-    doc = {"server": args.server, "temperature": args.temperature, "max_new_tokens": max_new,
-           "chat_template_kwargs": kwargs, "benchmarks": results}
+    doc = {
+        "server": args.server,
+        "temperature": args.temperature,
+        "max_new_tokens": max_new,
+        "chat_template_kwargs": kwargs,
+        "benchmarks": results,
+    }
     _emit(doc, "\n".join(texts), args)
     return 0
 
@@ -144,15 +191,21 @@ def _server_main(args, kwargs: dict) -> int:
 def _prompts_main(args) -> int:
     if len(args.drafter) != 1 or not args.target:
         raise ValueError("--prompts takes --target and exactly one --drafter (use --bench FILE.jsonl to compare)")
-    report = run_eval(args.target, args.drafter[0], args.prompts, limit=args.num_prompts,
-                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, device=args.device)
+    report = run_eval(
+        args.target,
+        args.drafter[0],
+        args.prompts,
+        limit=args.num_prompts,
+        max_new_tokens=args.max_new_tokens or 128,
+        dtype=args.dtype,
+        device=args.device,
+    )
     print(format_report(report, Path(args.drafter[0]).name), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(report.to_dict()))
     if not report.lossless:
         print(
-            f"dflash-eval: FAILED: speculative output differs from plain greedy on {len(report.mismatches)}"
-            " prompt(s)",
+            f"dflash-eval: FAILED: speculative output differs from plain greedy on {len(report.mismatches)} prompt(s)",
             file=sys.stderr,
         )
         return 1

@@ -82,8 +82,7 @@ def vllm_figures(before: dict, after: dict) -> tuple[float | None, list[int], li
     """(τ, histogram by accepted length 1..K+1, per-position acceptance, steps) of a /metrics window."""
     drafts = round(after["drafts"] - before["drafts"])
     accepted = after["accepted"] - before["accepted"]
-    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0.0] * len(after["per_pos"]),
-                                     strict=True)]
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0.0] * len(after["per_pos"]), strict=True)]
     if drafts <= 0:
         return None, [], [], 0
     reach = [float(drafts), *per_pos, 0.0]  # reach[j]: steps that accepted at least j drafts
@@ -152,11 +151,32 @@ def run_server(
         def send(p: BenchPrompt) -> dict:
             if engine == "sglang":
                 text = render_text(tokenizer, [{"role": "user", "content": p.turns[0]}], kwargs)
-                return _post(client, f"{url}/generate", {"text": text, "sampling_params": {
-                    "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens}})
-            return _post(client, f"{url}/v1/chat/completions", {
-                "model": model, "messages": [{"role": "user", "content": p.turns[0]}], "max_tokens": max_new_tokens,
-                "temperature": temperature, "top_p": top_p, "top_k": top_k, "chat_template_kwargs": kwargs})
+                return _post(
+                    client,
+                    f"{url}/generate",
+                    {
+                        "text": text,
+                        "sampling_params": {
+                            "temperature": temperature,
+                            "top_p": top_p,
+                            "top_k": top_k,
+                            "max_new_tokens": max_new_tokens,
+                        },
+                    },
+                )
+            return _post(
+                client,
+                f"{url}/v1/chat/completions",
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": p.turns[0]}],
+                    "max_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "top_p": top_p,
+                    "top_k": top_k,
+                    "chat_template_kwargs": kwargs,
+                },
+            )
 
         if len(prompts) > 1:
             send(prompts[0])  # warm-up, not counted
@@ -169,8 +189,18 @@ def run_server(
         tokens = sum(int(o.get("usage", {}).get("completion_tokens", 0)) for o in outs)
         tau, hist, per_pos, steps = vllm_figures(before, after)
         source = "vLLM /metrics window: 1 + Δaccepted_tokens / Δdrafts"
-        return ServerResult(engine, len(outs), tokens, seconds, tokens / seconds if seconds > 0 else 0.0,
-                            tau, source, hist, steps, per_pos)
+        return ServerResult(
+            engine,
+            len(outs),
+            tokens,
+            seconds,
+            tokens / seconds if seconds > 0 else 0.0,
+            tau,
+            source,
+            hist,
+            steps,
+            per_pos,
+        )
     metas = [o.get("meta_info") or {} for o in outs]
     tokens = sum(int(m.get("completion_tokens", 0)) for m in metas)
     lengths = [float(m["spec_accept_length"]) for m in metas if m.get("spec_accept_length") is not None]
@@ -181,10 +211,15 @@ def run_server(
         for i, n in enumerate(h):
             hist[i] += int(n)
     return ServerResult(
-        engine, len(outs), tokens, seconds, tokens / seconds if seconds > 0 else 0.0,
+        engine,
+        len(outs),
+        tokens,
+        seconds,
+        tokens / seconds if seconds > 0 else 0.0,
         sum(lengths) / len(lengths) if lengths else None,
         "SGLang meta_info: mean over requests of spec_accept_length (completion_tokens / spec_verify_ct)",
-        hist, sum(int(m.get("spec_verify_ct", 0)) for m in metas),
+        hist,
+        sum(int(m.get("spec_verify_ct", 0)) for m in metas),
     )
 
 

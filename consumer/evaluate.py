@@ -55,9 +55,7 @@ def resolve_export_dir(path: str | Path) -> Path:
         path = path / name
     for name in ("config.json", "model.safetensors"):
         if not (path / name).is_file():
-            raise FileNotFoundError(
-                f"drafter checkpoint {path}: no {name} (expected a DFlash export directory)"
-            )
+            raise FileNotFoundError(f"drafter checkpoint {path}: no {name} (expected a DFlash export directory)")
     return path
 
 
@@ -69,8 +67,10 @@ def load_drafter(
     cfg = json.loads((path / "config.json").read_text())
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
     if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
-        raise ValueError(f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel and"
-                         " DFlash2DraftModel drafters evaluate here")
+        raise ValueError(
+            f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel and"
+            " DFlash2DraftModel drafters evaluate here"
+        )
     try:
         dflash = cfg["dflash_config"]
         layer_ids = list(dflash["target_layer_ids"])
@@ -98,9 +98,7 @@ def load_drafter(
     except KeyError as err:
         raise KeyError(f"{path / 'config.json'}: required field {err.args[0]!r} is missing") from None
     parts = load_target_parts(target_path, DTYPES[dtype])
-    if parts.hidden_size != arch.hidden_size or parts.vocab_size != int(
-        cfg.get("vocab_size", parts.vocab_size)
-    ):
+    if parts.hidden_size != arch.hidden_size or parts.vocab_size != int(cfg.get("vocab_size", parts.vocab_size)):
         raise ValueError(
             f"drafter {path} (hidden {arch.hidden_size}, vocab {cfg.get('vocab_size')}) does not fit the target"
             f" {target_path} (hidden {parts.hidden_size}, vocab {parts.vocab_size})"
@@ -108,8 +106,10 @@ def load_drafter(
     state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
     if archs == ["DFlash2DraftModel"]:  # greedy evaluation: the selector's walk (consumer/dflash2.py)
         try:
-            shape = DFlash2Shape(block_size, *(int(dflash[k]) for k in (
-                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")))
+            shape = DFlash2Shape(
+                block_size,
+                *(int(dflash[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+            )
         except KeyError as err:
             raise KeyError(f"{path / 'config.json'}: required field dflash_config.{err.args[0]} is missing") from None
         model2 = DFlash2Drafter(arch, shape, parts.embed_tokens, parts.lm_head)
@@ -120,16 +120,12 @@ def load_drafter(
     return DFlashProposer(model.to(device), block_size, mask_token_id, layer_ids)
 
 
-def load_target(
-    path: str | Path, layer_ids: list[int], dtype: str = "float32", device: str = "cpu"
-) -> TargetRunner:
+def load_target(path: str | Path, layer_ids: list[int], dtype: str = "float32", device: str = "cpu") -> TargetRunner:
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
     return TargetRunner(model.to(device), layer_ids)
 
 
-def load_prompts(
-    path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None
-) -> list[list[int]]:
+def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[list[int]]:
     """Prompt ids rendered with the chat template and the generation prompt."""
     prompts = []
     with open(path) as f:

@@ -39,7 +39,7 @@ class FanIn:
             if not live:
                 last = max(self._ended.values(), key=lambda e: e.last_seq)
                 return StreamEnd("; ".join(sorted({e.reason for e in self._ended.values()})), last.last_seq)
-            order = live[self._next % len(live):] + live[: self._next % len(live)]
+            order = live[self._next % len(live) :] + live[: self._next % len(live)]
             for i in order:  # a non-blocking look at each, then a short wait on each in turn
                 left = deadline - time.monotonic()
                 item = self.streams[i].next(0.0 if first else max(0.0, min(WAIT_SLICE_S, left)))

@@ -38,8 +38,9 @@ class FsdpLockstep:
         self.deferred: list[Batch] = []
 
     @classmethod
-    def shard(cls, model: torch.nn.Module, mesh, who: str, *, width: int, block_size: int,
-              device: torch.device) -> FsdpLockstep:
+    def shard(
+        cls, model: torch.nn.Module, mesh, who: str, *, width: int, block_size: int, device: torch.device
+    ) -> FsdpLockstep:
         """FSDP2 over `mesh` on `model` (its `fsdp_units()` and the root), with identical weights on every replica
         (the group broadcasts them first). `width` is a batch's hidden width (fused target layers × H)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -52,8 +53,12 @@ class FsdpLockstep:
                 module.set_gradient_divide_factor(1.0)  # a sum, as the unsharded group's all-reduce,
                 module.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
         T = 2 * block_size
-        stand_in = (torch.zeros(T, width, device=device), torch.zeros(T, dtype=torch.int64, device=device),
-                    torch.ones(T, dtype=torch.uint8), torch.tensor([0, T], dtype=torch.int32))
+        stand_in = (
+            torch.zeros(T, width, device=device),
+            torch.zeros(T, dtype=torch.int64, device=device),
+            torch.ones(T, dtype=torch.uint8),
+            torch.tensor([0, T], dtype=torch.int32),
+        )
         return cls(mesh, who, stand_in)
 
     def _collective(self, what: str, fn: Callable[[], object]):
@@ -69,16 +74,20 @@ class FsdpLockstep:
         (their own generator: the anchor RNG stays what it is without sharding). Gradients are
         reduce-scattered once, after the last pass. `forward_backward(*batch, stand_in=None | generator)`."""
         count = torch.tensor([len(self.deferred)], dtype=torch.int64)
-        self._collective("the batch-count all-reduce",
-                         lambda: dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.get_group()))
+        self._collective(
+            "the batch-count all-reduce",
+            lambda: dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.get_group()),
+        )
         passes = int(count)
         for i in range(passes):
             model.set_requires_gradient_sync(i == passes - 1)
             if i < len(self.deferred):
                 self._collective("an FSDP forward/backward", lambda i=i: forward_backward(*self.deferred[i]))
             else:
-                self._collective("an FSDP forward/backward", lambda: forward_backward(
-                    *self.stand_in, stand_in=self.generator.manual_seed(0)))
+                self._collective(
+                    "an FSDP forward/backward",
+                    lambda: forward_backward(*self.stand_in, stand_in=self.generator.manual_seed(0)),
+                )
         self.deferred.clear()
 
     def gather_full_state(self, model, optimizer, rng: Tensor, keep: bool) -> tuple[dict, dict, Tensor] | None:
@@ -111,14 +120,21 @@ class FsdpLockstep:
 
         names = dict(model.named_parameters())
         if set(names) != set(weights):
-            raise ValueError(f"drafter {self.who}: checkpoint weights {sorted(set(weights) ^ set(names))[:4]}"
-                             " do not match this drafter's")
+            raise ValueError(
+                f"drafter {self.who}: checkpoint weights {sorted(set(weights) ^ set(names))[:4]}"
+                " do not match this drafter's"
+            )
         with torch.no_grad():
             for name, p in names.items():
                 p.copy_(shard_like(weights[name], p))
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {i: {k: shard_like(v, params[i]) if torch.is_tensor(v) and v.shape == params[i].shape and v.ndim
-                     else v for k, v in st.items()} for i, st in optim["state"].items()}
+        state = {
+            i: {
+                k: shard_like(v, params[i]) if torch.is_tensor(v) and v.shape == params[i].shape and v.ndim else v
+                for k, v in st.items()
+            }
+            for i, st in optim["state"].items()
+        }
         optimizer.load_state_dict({**optim, "state": state})
 
     def own_rng(self, state: dict) -> Tensor | None:

@@ -65,8 +65,14 @@ class GroupCursor:
                     " every node's data shard differs, so its cursors do not apply (resume with the same --nnodes)"
                 )
         if written.producers != producers:
-            log.info("%s was written with target.replicas = %d, this run has %d: its trained seqs are re-dealt"
-                     " to %d producer cursor(s) per node", source, written.producers, producers, producers)
+            log.info(
+                "%s was written with target.replicas = %d, this run has %d: its trained seqs are re-dealt"
+                " to %d producer cursor(s) per node",
+                source,
+                written.producers,
+                producers,
+                producers,
+            )
         return written.regroup(producers)
 
     @classmethod
@@ -74,14 +80,22 @@ class GroupCursor:
         producers = group.get("producers", 1)
         flat_c, flat_a = group["cursors"], group["trained_above"]
         if not isinstance(producers, int) or producers < 1 or len(flat_c) % producers or len(flat_a) != len(flat_c):
-            raise GroupError(f"{source}: its group cursor is malformed ({len(flat_c)} cursors, {len(flat_a)}"
-                             f" trained_above lists, producers = {producers!r}: want one of each per node and producer)")
-        return cls(producers, tuple(per_node(flat_c, producers)),
-                   tuple(tuple(tuple(a) for a in node) for node in per_node(flat_a, producers)))
+            raise GroupError(
+                f"{source}: its group cursor is malformed ({len(flat_c)} cursors, {len(flat_a)}"
+                f" trained_above lists, producers = {producers!r}: want one of each per node and producer)"
+            )
+        return cls(
+            producers,
+            tuple(per_node(flat_c, producers)),
+            tuple(tuple(tuple(a) for a in node) for node in per_node(flat_a, producers)),
+        )
 
     def to_state(self) -> dict:
-        return {"producers": self.producers, "cursors": [c for node in self.cursors for c in node],
-                "trained_above": [list(a) for node in self.trained_above for a in node]}
+        return {
+            "producers": self.producers,
+            "cursors": [c for node in self.cursors for c in node],
+            "trained_above": [list(a) for node in self.trained_above for a in node],
+        }
 
     def node_cursor(self, node: int) -> int:
         """The lowest seq of the node that no completed step trained (every seq below it is trained)."""
@@ -98,8 +112,7 @@ class GroupCursor:
         above = [[set(a) for a in node] for node in self.trained_above]
         for node, seqs in trained.items():
             counts = Counter(seqs)
-            again = sorted(s for s, n in counts.items()
-                           if n > 1 or s < cursors[node][s % r] or s in above[node][s % r])
+            again = sorted(s for s, n in counts.items() if n > 1 or s < cursors[node][s % r] or s in above[node][s % r])
             if again:  # the delivery promises this never happens: say so loudly, keep going
                 log.error("node %d: seqs %s were trained twice by the group", node, again)
             for s in counts:
@@ -109,8 +122,9 @@ class GroupCursor:
                 while c in done:
                     c += r
                 cursors[node][p], above[node][p] = c, {s for s in done if s > c}
-        return GroupCursor(r, tuple(map(tuple, cursors)),
-                           tuple(tuple(tuple(sorted(a)) for a in node) for node in above))
+        return GroupCursor(
+            r, tuple(map(tuple, cursors)), tuple(tuple(tuple(sorted(a)) for a in node) for node in above)
+        )
 
     def regroup(self, producers: int) -> GroupCursor:
         """The same trained seqs dealt to `producers` cursors per node (exact: a seq s is trained iff it lies

@@ -99,15 +99,21 @@ def slot_loss(loss: str, block_size: int, dpace_alpha: float) -> SlotLoss:
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int,
-                reweight, top_k_out: Tensor | None = None):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        lm_head: Tensor,
+        labels: Tensor,
+        weights: Tensor,
+        chunk_rows: int,
+        reweight,
+        top_k_out: Tensor | None = None,
+    ):
         Q = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(Q, dtype=torch.bool, device=hidden.device)
-        grad_h = (
-            torch.empty(Q, hidden.shape[1], dtype=lm_head.dtype, device=hidden.device) if need_grad else None
-        )
+        grad_h = torch.empty(Q, hidden.shape[1], dtype=lm_head.dtype, device=hidden.device) if need_grad else None
         extra = {} if reweight is None else {"reweight": reweight}  # (the memory plan's stand-in takes none)
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here
             h = hidden.to(lm_head.dtype)
@@ -135,8 +141,14 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
 
 
 def chunked_lm_head_loss(
-    hidden: Tensor, lm_head: Tensor, labels: Tensor, weights: Tensor, chunk_rows: int,
-    loss: SlotLoss | None = None, top_k_out: Tensor | None = None, weights_out: Tensor | None = None,
+    hidden: Tensor,
+    lm_head: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    chunk_rows: int,
+    loss: SlotLoss | None = None,
+    top_k_out: Tensor | None = None,
+    weights_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """hidden [Q, H], frozen lm_head [V, H], labels [Q], weights [Q] -> (Σ w·CE as a float32 scalar,
     correct [Q] bool: the argmax is the label). Normalise outside (once per optimizer step: the SlotLoss's

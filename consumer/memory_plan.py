@@ -100,8 +100,17 @@ def _block_masks(batch, kinds: set[str], tokens_per_batch: int, anchors: int) ->
     return {kind: one() for kind in kinds}
 
 
-def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max_length: int, feature_dtype: str,
-              cuda: bool, anchors: int | None = None) -> dict[str, int]:
+def step_peak(
+    arch,
+    cfg: DrafterConfig,
+    vocab: int,
+    tied: bool,
+    tokens: int,
+    max_length: int,
+    feature_dtype: str,
+    cuda: bool,
+    anchors: int | None = None,
+) -> dict[str, int]:
     """Peak bytes of the drafter's training (two steps: the second has Adam's moments) at `tokens` tokens per
     batch in sequences of `max_length`, and the parts of it that are state; fake tensors throughout."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -121,27 +130,43 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
     # the anchors are drawn from host copies of loss_mask and cu_seqlens (data-dependent: no fake tensor can),
     # so the batch is built for real once, outside the fake mode; its int tensors are a few MB at real shapes
     ids, mask = torch.zeros(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.uint8)
-    batch = build_draft_batch(ids, mask, cu, anchors_per_seq=per_seq, block_size=cfg.block_size, mask_token_id=0,
-                              gamma=cfg.loss_gamma, generator=torch.Generator().manual_seed(0),
-                              partial_blocks=cfg.partial_blocks, max_anchors=anchors)
+    batch = build_draft_batch(
+        ids,
+        mask,
+        cu,
+        anchors_per_seq=per_seq,
+        block_size=cfg.block_size,
+        mask_token_id=0,
+        gamma=cfg.loss_gamma,
+        generator=torch.Generator().manual_seed(0),
+        partial_blocks=cfg.partial_blocks,
+        max_anchors=anchors,
+    )
     with FakeTensorMode(allow_non_fake_inputs=True), _kernels_stood_in(cuda):
         embed = torch.empty(vocab, arch.hidden_size, dtype=frozen)
         model = make_drafter(cfg, arch, embed, embed if tied else torch.empty(vocab, arch.hidden_size, dtype=frozen), 0)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
-                                       {"params": [p for p in params if p.ndim < 2]}], lr=cfg.lr, fused=True)
+        optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2]}],
+            lr=cfg.lr,
+            fused=True,
+        )
 
         def one_step():
             hidden = torch.empty(tokens, arch.num_features * arch.hidden_size, dtype=DTYPES[feature_dtype])
             if autocast is None:
                 hidden = hidden.float()
             kinds = set(arch.attention_layers)
-            masks = _block_masks(batch, kinds, tokens, anchors) if cuda else attention_masks(batch, arch.attention_layers,
-                                                                            cfg.sliding_window, flex=False)
+            masks = (
+                _block_masks(batch, kinds, tokens, anchors)
+                if cuda
+                else attention_masks(batch, arch.attention_layers, cfg.sliding_window, flex=False)
+            )
             with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
                 h = model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
-                loss_sum, _correct = chunked_lm_head_loss(h, model.lm_head, batch.labels, batch.weights,
-                                                          cfg.loss_chunk_rows)
+                loss_sum, _correct = chunked_lm_head_loss(
+                    h, model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
+                )
                 if isinstance(model, DFlash2Drafter):
                     # its weights, gradients and moments are planned; the selector loss's activations (one chunk
                     # at a time, recomputed in backward) are not: MemTracker refuses a module called per chunk
@@ -159,8 +184,9 @@ def step_peak(arch, cfg: DrafterConfig, vocab: int, tied: bool, tokens: int, max
         n_params = sum(p.numel() for p in params)
         unit = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
         root = n_params - sum(p.numel() for p in model.layers.parameters())
-        frozen_bytes = sum(b.untyped_storage().nbytes() for b in {id(b): b for b in (model.embed_tokens,
-                                                                                    model.lm_head)}.values())
+        frozen_bytes = sum(
+            b.untyped_storage().nbytes() for b in {id(b): b for b in (model.embed_tokens, model.lm_head)}.values()
+        )
     return {"peak": peak, "params": n_params, "largest_unit": max(unit, root), "frozen": frozen_bytes}
 
 
@@ -182,20 +208,41 @@ def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:
     tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
     parts = TargetParts(path=job.target.path, tie_word_embeddings=tied, embed_tokens=None, lm_head=None, **dims)
     n = len(job.target.layer_ids) if job.target.layer_ids else job.target.num_features
-    rings = sorted({job.target.devices_of(r)[0] for r in range(job.target.replicas)}) if job.transport_kind == "cuda" else []
+    rings = (
+        sorted({job.target.devices_of(r)[0] for r in range(job.target.replicas)})
+        if job.transport_kind == "cuda"
+        else []
+    )
     out = []
     for d in job.drafters:
         cuda = [r for r in range(d.replicas) if d.device_of(r).startswith("cuda")]
         if not cuda:
             continue
         arch = DrafterArch.from_target(parts, d, n)
-        step = step_peak(arch, d, dims["vocab_size"], tied, job.data.tokens_per_batch, job.data.max_length,
-                         job.target.dtype, cuda=True)
+        step = step_peak(
+            arch,
+            d,
+            dims["vocab_size"],
+            tied,
+            job.data.tokens_per_batch,
+            job.data.max_length,
+            job.target.dtype,
+            cuda=True,
+        )
         peak = fsdp_peak(step, d.replicas) if d.distributed == "fsdp" else step["peak"]
         for r in cuda:
             dev, name = d.device_of(r), f"consumer-{d.name}-r{r}"
-            out.append(ProcessMemory(name, dev, {"frozen_embed_head": step["frozen"],
-                                                 "train_step": peak - step["frozen"], "cuda_context": CUDA_CONTEXT_BYTES}))
+            out.append(
+                ProcessMemory(
+                    name,
+                    dev,
+                    {
+                        "frozen_embed_head": step["frozen"],
+                        "train_step": peak - step["frozen"],
+                        "cuda_context": CUDA_CONTEXT_BYTES,
+                    },
+                )
+            )
             out += [ProcessMemory(name, ring, {"cuda_context": CUDA_CONTEXT_BYTES}) for ring in rings if ring != dev]
     return out
 
@@ -208,8 +255,11 @@ def main(argv: list[str]) -> int:
 
     from common.config import ConfigError, load_job
 
-    ap = argparse.ArgumentParser(prog="python -m consumer memory-plan", description="the drafter replicas' planned"
-                                 " GPU memory (common/memory_plan.py), one JSON line per process and device with --json")
+    ap = argparse.ArgumentParser(
+        prog="python -m consumer memory-plan",
+        description="the drafter replicas' planned"
+        " GPU memory (common/memory_plan.py), one JSON line per process and device with --json",
+    )
     ap.add_argument("job")
     ap.add_argument("--target-config", default=None, help="the target's model directory (default: target.path)")
     ap.add_argument("--json", action="store_true")
@@ -223,8 +273,11 @@ def main(argv: list[str]) -> int:
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
-        print(f"consumer memory-plan: {folder}/config.json: cannot read the target's config ({err}); pass"
-              " --target-config DIR where the model is not on this machine", file=sys.stderr)
+        print(
+            f"consumer memory-plan: {folder}/config.json: cannot read the target's config ({err}); pass"
+            " --target-config DIR where the model is not on this machine",
+            file=sys.stderr,
+        )
         return 2
     for e in plan_drafters(job, config):
         print(e.to_json() if args.json else f"{e.process} {e.device} {e.parts}")

@@ -179,8 +179,9 @@ def _host(name: str, t: Tensor) -> Tensor:
     return t
 
 
-def _candidates(loss_mask: Tensor, lengths: Tensor, token_seq: Tensor, pos: Tensor, block_size: int,
-                partial_blocks: bool) -> Tensor:
+def _candidates(
+    loss_mask: Tensor, lengths: Tensor, token_seq: Tensor, pos: Tensor, block_size: int, partial_blocks: bool
+) -> Tensor:
     """[T] bool: may p anchor a block (module docstring)? The same rule on the host and the device."""
     T = loss_mask.numel()
     if partial_blocks:
@@ -210,8 +211,9 @@ def _sample_anchors(
     order = order[torch.argsort(token_seq[order], stable=True)]  # grouped by sequence, random within
     # the first per_seq[s] entries of sequence s's segment of `order` (its first cu[s] .. cu[s]+per_seq[s]-1)
     first = cu[:-1] - _on_device(torch.cumsum(per_seq, 0) - per_seq, device)  # [nseq] segment start - offset
-    seg = torch.repeat_interleave(torch.arange(per_seq.numel(), device=device), _on_device(per_seq, device),
-                                  output_size=drawn)
+    seg = torch.repeat_interleave(
+        torch.arange(per_seq.numel(), device=device), _on_device(per_seq, device), output_size=drawn
+    )
     pick = order[first[seg] + torch.arange(drawn, device=device)]  # [drawn]
     if drawn > budget:
         pick = pick[torch.rand(drawn, generator=generator, device=device).argsort()[:budget]]
@@ -244,8 +246,7 @@ def build_draft_batch(
     cu_h = torch.tensor(cu_host, dtype=torch.int64)
     lengths_h = cu_h[1:] - cu_h[:-1]
     token_seq_h = torch.repeat_interleave(torch.arange(nseq), lengths_h, output_size=T)
-    cand_h = _candidates(loss_mask_host, lengths_h, token_seq_h, torch.arange(T) - cu_h[token_seq_h], B,
-                         partial_blocks)
+    cand_h = _candidates(loss_mask_host, lengths_h, token_seq_h, torch.arange(T) - cu_h[token_seq_h], B, partial_blocks)
     count_h = torch.bincount(token_seq_h[cand_h], minlength=nseq)
     per_seq = count_h.clamp(max=anchors_per_seq)
     budget = int(per_seq.sum()) if max_anchors is None else max_anchors
@@ -309,8 +310,13 @@ def dense_mask(batch: DraftBatch, window: int | None = None, causal: bool = Fals
     return DenseMask(key_index=kv, allowed=batch.allowed(q, kv[:, None, :], window, causal)[:, None])
 
 
-def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TILE,
-              plan: FlexPlan | None = None, causal: bool = False) -> BlockMask:
+def flex_mask(
+    batch: DraftBatch,
+    window: int | None = None,
+    block: int = FLEX_TILE,
+    plan: FlexPlan | None = None,
+    causal: bool = False,
+) -> BlockMask:
     """The block mask as a FlexAttention BlockMask over the padded grid [Qp, Tp + Qp]: context rows
     padded to Tp, block rows to Qp (padding rows see nothing and are seen by nobody), the plan's one
     shape when the batch fits it (consumer/kernels/flex.py), else length buckets (flex_bucket). The mask
@@ -357,13 +363,21 @@ def flex_mask(batch: DraftBatch, window: int | None = None, block: int = FLEX_TI
     )
 
 
-def attention_masks(batch: DraftBatch, layer_types: list[str] | tuple[str, ...], window: int | None, flex: bool,
-                    kernel: CompiledFlex | None = None, sliding_block_attention: str = "causal"):
+def attention_masks(
+    batch: DraftBatch,
+    layer_types: list[str] | tuple[str, ...],
+    window: int | None,
+    flex: bool,
+    kernel: CompiledFlex | None = None,
+    sliding_block_attention: str = "causal",
+):
     """One mask per attention kind the drafter's layers use: {"full_attention": ..., "sliding_attention": ...}.
     flex with a `kernel`: FlexMasks on its plan's grid, run by it (compiled); flex alone: BlockMasks (eager).
     sliding_block_attention: the drafter's in-block rule of sliding layers ("causal" or "bidirectional")."""
     if sliding_block_attention not in ("causal", "bidirectional"):
-        raise ValueError(f"sliding_block_attention must be 'causal' or 'bidirectional', got {sliding_block_attention!r}")
+        raise ValueError(
+            f"sliding_block_attention must be 'causal' or 'bidirectional', got {sliding_block_attention!r}"
+        )
 
     def build(w: int | None):
         causal = w is not None and sliding_block_attention == "causal"

@@ -80,9 +80,11 @@ def check_optimizer_state(cfg: DrafterConfig, state: dict, source: str) -> None:
     """A saved optimizer state matches the drafter's `optimizer` key, or the error says which it was."""
     saved = "muon" if set(state) == {"muon", "adamw"} else "adamw"
     if saved != cfg.optimizer:
-        raise ValueError(f"drafter {cfg.name}: {source} was trained with optimizer = {saved!r}, this job has"
-                         f" optimizer = {cfg.optimizer!r}: resume with the optimizer it was saved with (or start"
-                         " a fresh run directory)")
+        raise ValueError(
+            f"drafter {cfg.name}: {source} was trained with optimizer = {saved!r}, this job has"
+            f" optimizer = {cfg.optimizer!r}: resume with the optimizer it was saved with (or start"
+            " a fresh run directory)"
+        )
 
 
 class Schedules:
@@ -107,9 +109,7 @@ class Schedules:
             s.load_state_dict(st)
 
 
-def build_optimizer(
-    cfg: DrafterConfig, named_params: Iterable[tuple[str, Tensor]], factor: Callable[[int], float]
-):
+def build_optimizer(cfg: DrafterConfig, named_params: Iterable[tuple[str, Tensor]], factor: Callable[[int], float]):
     """(optimizer, scheduler) for the drafter's trainable parameters; `factor(step)` scales every lr.
     AdamW alone keeps the plain torch objects (and their checkpoint format)."""
     named = [(n, p) for n, p in named_params if p.requires_grad]

@@ -155,16 +155,26 @@ class ConsumerService:
                     self._close_round(total)
                 if total.stop:
                     reason = self._stop_reason or "a replica of the group was stopped"
-                    log.info("%s: %s at step %d; %s", self.name, reason, self.trainer.step,
-                             "checkpointing and exiting" if self.trainer.step > 0 else "nothing trained, exiting")
+                    log.info(
+                        "%s: %s at step %d; %s",
+                        self.name,
+                        reason,
+                        self.trainer.step,
+                        "checkpointing and exiting" if self.trainer.step > 0 else "nothing trained, exiting",
+                    )
                     return self._finish(EXIT_OK, reason)
                 if total.ended == self.group.world_size:
                     reason = self._ended.reason if self._ended else "end of stream"
                     log.info("%s: end of stream (%s); trained through seq %d", self.name, reason, self.trainer.last_seq)
                     return self._finish(EXIT_OK, reason)
         except GroupError as err:
-            log.error("%s: %s. Nothing more is saved: the last checkpoint (step %d) is intact and the group"
-                      " resumes from it when restarted", self.name, err, self._saved_step)
+            log.error(
+                "%s: %s. Nothing more is saved: the last checkpoint (step %d) is intact and the group"
+                " resumes from it when restarted",
+                self.name,
+                err,
+                self._saved_step,
+            )
             return self._finish(EXIT_GROUP_LOST, "replica group lost", save=False)
         except NonFiniteTrainingError as err:
             log.error("%s: %s", self.name, err)
@@ -264,9 +274,17 @@ class ConsumerService:
         if self.trace:
             self.trace.write(self.trainer.step, seqs, samples, self.trainer.tokens - tokens_before, self.trainer.params)
         if metrics is not None:
-            log.info("%s step %d seq %s: loss %.4f tau_est %.3f acc_slot_1 %.3f lr %.2e grad_norm %.3f", self.name,
-                     self.trainer.step, seqs[-1] if seqs else "-", metrics["loss"], metrics["tau_est"],
-                     metrics.get("acc_slot_1", 0.0), metrics["lr"], metrics["grad_norm"])
+            log.info(
+                "%s step %d seq %s: loss %.4f tau_est %.3f acc_slot_1 %.3f lr %.2e grad_norm %.3f",
+                self.name,
+                self.trainer.step,
+                seqs[-1] if seqs else "-",
+                metrics["loss"],
+                metrics["tau_est"],
+                metrics.get("acc_slot_1", 0.0),
+                metrics["lr"],
+                metrics["grad_norm"],
+            )
             if self.prof:
                 for key, value in metrics.items():
                     if key.startswith("acc_slot_"):
@@ -286,8 +304,9 @@ class ConsumerService:
                 self.prof.count("val_ignored")
             return
         start = time.perf_counter()
-        result = self.evaluator.add(item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.sample_ids,
-                                    item.validation)
+        result = self.evaluator.add(
+            item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.sample_ids, item.validation
+        )
         if self.prof:
             self.prof.add("eval", time.perf_counter() - start)
             self.prof.count("val_batches")
@@ -295,9 +314,18 @@ class ConsumerService:
         if result is None:
             return
         m = result.metrics
-        log.info("%s validation pass %d at step %d: val_loss %.4f val_tau_est %.3f val_acc_slot_1 %.3f (%d records,"
-                 " %d tokens)", self.name, result.pass_, result.step, m["loss"], m["tau_est"], m.get("acc_slot_1", 0.0),
-                 len(result.samples), result.tokens)
+        log.info(
+            "%s validation pass %d at step %d: val_loss %.4f val_tau_est %.3f val_acc_slot_1 %.3f (%d records,"
+            " %d tokens)",
+            self.name,
+            result.pass_,
+            result.step,
+            m["loss"],
+            m["tau_est"],
+            m.get("acc_slot_1", 0.0),
+            len(result.samples),
+            result.tokens,
+        )
         if self.prof:
             for key, value in val_metrics(result).items():
                 self.prof.gauge(key, value)
@@ -318,8 +346,14 @@ class ConsumerService:
         if self._saved_step != result.step or not (self.best.root / name).is_dir():
             self._save("best held-out τ")  # the weights evaluated: the same step's
         self.best.record(name, result.step, tau, result.metrics["loss"], result.pass_)
-        log.info("%s: best held-out τ %.3f (pass %d, step %d): %s", self.name, tau, result.pass_, result.step,
-                 self.best.root / "best")
+        log.info(
+            "%s: best held-out τ %.3f (pass %d, step %d): %s",
+            self.name,
+            tau,
+            result.pass_,
+            result.step,
+            self.best.root / "best",
+        )
 
     # ------------------------------------------------------------------------------------ checkpoints, end
     def _save(self, reason: str) -> None:
@@ -335,12 +369,30 @@ class ConsumerService:
             entry = None
             if self.ledger:  # logs the seqs this checkpoint adds; the checkpoint carries the record's id
                 cursor = self.cursor.to_state()
-                entry = self.ledger.checkpoint(self.trainer.step, trained, cursor["cursors"], cursor["trained_above"],
-                                               producers=self.cursor.producers)
-            self.save_checkpoint(checkpoint_state(trainer_state, shape=self.trainer.shape(), cursor=self.cursor,
-                                                  world_size=self.group.world_size, ledger=entry))
-            log.info("%s: checkpoint at step %d (resume at seqs %s per node and producer, %s) in %.2f s", self.name,
-                     self.trainer.step, [list(c) for c in self.cursor.cursors], reason, time.perf_counter() - start)
+                entry = self.ledger.checkpoint(
+                    self.trainer.step,
+                    trained,
+                    cursor["cursors"],
+                    cursor["trained_above"],
+                    producers=self.cursor.producers,
+                )
+            self.save_checkpoint(
+                checkpoint_state(
+                    trainer_state,
+                    shape=self.trainer.shape(),
+                    cursor=self.cursor,
+                    world_size=self.group.world_size,
+                    ledger=entry,
+                )
+            )
+            log.info(
+                "%s: checkpoint at step %d (resume at seqs %s per node and producer, %s) in %.2f s",
+                self.name,
+                self.trainer.step,
+                [list(c) for c in self.cursor.cursors],
+                reason,
+                time.perf_counter() - start,
+            )
         if self.ledger:
             self.ledger.saved(self.trainer.step)
 
@@ -352,8 +404,11 @@ class ConsumerService:
         if self._fault:
             log.error("%s: the producer was lost (%s); saving a checkpoint and exiting", self.name, self._fault[1])
         else:
-            log.error("%s: %d replica(s) of the group lost their producer; saving a checkpoint and exiting",
-                      self.name, total.producer_lost)
+            log.error(
+                "%s: %d replica(s) of the group lost their producer; saving a checkpoint and exiting",
+                self.name,
+                total.producer_lost,
+            )
         return self._finish(EXIT_PRODUCER_LOST, "producer lost", say_bye=self._fault is None)
 
     def _finish(self, status: int, reason: str, *, say_bye: bool = True, save: bool = True) -> int:

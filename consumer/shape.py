@@ -55,7 +55,8 @@ def check_shape(state: dict, mine: dict, drafter: str, source: str) -> None:
             raise ShapeMismatch(
                 f"drafter {drafter}: {source} was trained with {key} = {theirs[key]!r}, this job has {key} ="
                 f" {mine[key]!r} ({job_key}): its weights and optimizer state do not fit; set it back to"
-                f" {theirs[key]!r}, or train the new shape in a new run folder (job.run_dir)")
+                f" {theirs[key]!r}, or train the new shape in a new run folder (job.run_dir)"
+            )
 
 
 def _plain(value):

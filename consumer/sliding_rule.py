@@ -42,7 +42,8 @@ def served_rule(config: dict, source: str) -> str | None:
     if is_causal:
         raise SlidingRuleError(
             f"{source}: {key} = true makes every layer causal in SGLang and vLLM, full-attention layers too;"
-            " a DFlash block attends both ways in full layers, so this drafter cannot be trained here")
+            " a DFlash block attends both ways in full layers, so this drafter cannot be trained here"
+        )
     if SLIDING not in kinds:
         return None
     return "causal" if is_causal is None else "bidirectional"
@@ -58,14 +59,17 @@ def serving_caveats(rule: str, layer_types: list[str], window: int | None, block
             "sliding_block_attention = 'bidirectional' is exported as is_causal: false, which vLLM and SGLang's"
             " current DFlash model honour; SGLang releases whose models/dflash.py predates"
             " _get_dflash_attention_type serve sliding layers causally whatever the export says (a train/serve"
-            " mismatch): serve with vLLM or a current SGLang")
+            " mismatch): serve with vLLM or a current SGLang"
+        )
         if window is not None and window < block_size:
             notes.append(
                 f"sliding_window {window} < block_size {block_size} with a bidirectional block: training lets slot"
                 f" k see slots k' with |k - k'| < {window}; how the engines bound keys after the query in a"
-                " non-causal sliding layer is not established, so serve-time drafts may differ")
+                " non-causal sliding layer is not established, so serve-time drafts may differ"
+            )
     if any(k != SLIDING for k in layer_types):
         notes.append(
             "full and sliding layers mixed: vLLM serves such a drafter only with its V2 model runner"
-            " (VLLM_USE_V2_MODEL_RUNNER=1; qwen3_dflash.py raises otherwise)")
+            " (VLLM_USE_V2_MODEL_RUNNER=1; qwen3_dflash.py raises otherwise)"
+        )
     return notes

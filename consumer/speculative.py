@@ -67,9 +67,7 @@ class TargetRunner:
         self.model = model.eval()
         self.layer_ids = list(layer_ids)
         # transformers 5 renamed past_key_values to cache (the old name is deprecated)
-        self._cache_kw = (
-            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        )
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def new_cache(self) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)

@@ -89,7 +89,9 @@ class BatchStream:
         self.producer = producer
         t = job.transport
         private_dir(job.run_paths.sockets)  # never talk through a folder another user controls
-        endpoint = job.run_paths.ipc(job.run_paths.control_socket(producer)) if t.endpoint == "ipc" else self._tcp_endpoint()
+        endpoint = (
+            job.run_paths.ipc(job.run_paths.control_socket(producer)) if t.endpoint == "ipc" else self._tcp_endpoint()
+        )
         curve = client_curve(job.run_paths) if t.use_curve else None  # the producer made the keys before binding
         # the launch is part of the identity: ROUTER_HANDOVER gives an identity to a newcomer of the same launch
         # (a restarted replica), never to one of another launch, whose HELLO the producer then rejects
@@ -120,8 +122,18 @@ class BatchStream:
         """HELLO → WELCOME → attach the ring (first time only) → ATTACHED."""
         gpu = torch.cuda.get_device_properties(self.device).uuid if self.device.type == "cuda" else ""
         resume = self.resume_seq()
-        self.channel.send(Hello(self.drafter, self.replica, os.getpid(), str(gpu), resume, self.ring is not None,
-                                self.node, self.launch_id))
+        self.channel.send(
+            Hello(
+                self.drafter,
+                self.replica,
+                os.getpid(),
+                str(gpu),
+                resume,
+                self.ring is not None,
+                self.node,
+                self.launch_id,
+            )
+        )
         timeout = self.job.transport.attach_timeout_s
         deadline = time.monotonic() + timeout
         while True:
@@ -151,8 +163,16 @@ class BatchStream:
         self.epoch = msg.epoch
         self._session_stalls = self.channel.stalls
         self.channel.send(Attached(self.epoch))
-        log.info("%s.r%d attached (session %d, %s ring of %d × %.1f MiB), resuming at seq %d", self.drafter,
-                 self.replica, self.epoch, msg.transport, msg.num_slots, msg.slot_bytes / 2**20, resume)
+        log.info(
+            "%s.r%d attached (session %d, %s ring of %d × %.1f MiB), resuming at seq %d",
+            self.drafter,
+            self.replica,
+            self.epoch,
+            msg.transport,
+            msg.num_slots,
+            msg.slot_bytes / 2**20,
+            resume,
+        )
 
     def next(self, timeout_s: float) -> ReceivedBatch | StreamEnd | None:
         """The next batch (copied out, its slot released), END, or None after `timeout_s` of silence."""
@@ -199,8 +219,13 @@ class BatchStream:
             return None
         if seq_tag is not None and seq_tag != msg.seq:
             self.dropped_reused += 1
-            log.error("batch %d: slot %d holds seq tag %d, so it was reused before we read it; dropping the"
-                      " batch and re-attaching", msg.seq, msg.slot, seq_tag)
+            log.error(
+                "batch %d: slot %d holds seq tag %d, so it was reused before we read it; dropping the"
+                " batch and re-attaching",
+                msg.seq,
+                msg.slot,
+                seq_tag,
+            )
             self._reattach("a slot was reused under this session")
             return None
         self._release(msg)
@@ -209,9 +234,14 @@ class BatchStream:
             self.prof.add("copy_out", self.last_copy_s)
         if not msg.val_pass:  # a validation batch's seq is a slot tag, not the plan's (common/protocol.py)
             self.channel.last_seq = msg.seq
-        return ReceivedBatch(msg.seq, msg.data_epoch, msg.sample_ids, **{n: out[n] for n in NAMES},
-                             received_at=received_at,
-                             validation=(msg.val_pass, msg.val_index, msg.val_count) if msg.val_pass else None)
+        return ReceivedBatch(
+            msg.seq,
+            msg.data_epoch,
+            msg.sample_ids,
+            **{n: out[n] for n in NAMES},
+            received_at=received_at,
+            validation=(msg.val_pass, msg.val_index, msg.val_count) if msg.val_pass else None,
+        )
 
     def _release(self, msg: Batch) -> None:
         self.channel.send(Release(self.epoch, [(msg.seq, msg.slot)]))

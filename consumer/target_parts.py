@@ -177,4 +177,3 @@ def _read_tensor(stored: dict[str, tuple[Path, str]], name: str, path: Path) -> 
             return f.get_tensor(key)
     except (SafetensorError, OSError) as err:
         raise TargetPartsError(f"{file}: cannot read tensor {key!r} (truncated or corrupt file?): {err}") from None
-

@@ -14,10 +14,21 @@ import msgpack
 import torch
 
 TENSOR, TUPLE = 1, 2
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -60,9 +71,9 @@ def unpack(data: bytes) -> Any:
     def ext_hook(code: int, raw: bytes) -> Any:
         if code == TENSOR:
             n = int.from_bytes(raw[:4], "little")
-            name, shape = msgpack.unpackb(raw[4:4 + n], raw=False)
+            name, shape = msgpack.unpackb(raw[4 : 4 + n], raw=False)
             dtype = DTYPES[name]
-            body = bytearray(raw[4 + n:])
+            body = bytearray(raw[4 + n :])
             if not body:
                 return torch.empty(shape, dtype=dtype)
             return torch.frombuffer(body, dtype=torch.uint8).view(dtype).reshape(shape)

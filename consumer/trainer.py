@@ -85,8 +85,17 @@ class SkipCounters:
         skipped, run, longest, first_seq, last_seq = self._counts.unbind()
         b = bad.long()
         run = (run + 1) * b  # consecutive skipped steps, 0 after a good one
-        self._counts.copy_(torch.stack([skipped + b, run, torch.maximum(longest, run),
-                                        torch.where(run == 1, seq, first_seq), torch.where(bad, seq, last_seq)]))
+        self._counts.copy_(
+            torch.stack(
+                [
+                    skipped + b,
+                    run,
+                    torch.maximum(longest, run),
+                    torch.where(run == 1, seq, first_seq),
+                    torch.where(bad, seq, last_seq),
+                ]
+            )
+        )
 
     def read(self) -> SkipCounts:
         """The counts (one device sync); the window's longest run restarts from the current one."""
@@ -145,8 +154,16 @@ class Trainer:
             log.warning("drafter %s: %s", cfg.name, note)
         self.model = make_drafter(cfg, self.arch, embed, lm_head, self.seed).to(self.device)  # drafters.arch
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
-        self.flex = CompiledFlex(FlexPlan.for_run(tokens_per_batch, self.max_anchors, cfg.block_size,
-                                                  len(set(self.arch.attention_layers))), prof) if self.use_flex else None
+        self.flex = (
+            CompiledFlex(
+                FlexPlan.for_run(
+                    tokens_per_batch, self.max_anchors, cfg.block_size, len(set(self.arch.attention_layers))
+                ),
+                prof,
+            )
+            if self.use_flex
+            else None
+        )
         self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha)
         self._build_optimizer()
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
@@ -185,8 +202,14 @@ class Trainer:
         replica, before any step or state load, with identical weights everywhere."""
         if self.step or self._pending_tokens:
             raise RuntimeError(f"drafter {self.cfg.name}: shard() after training started")
-        self.fsdp = FsdpLockstep.shard(self.model, mesh, self.cfg.name, block_size=self.cfg.block_size,
-                                       width=self.arch.num_features * self.arch.hidden_size, device=self.device)
+        self.fsdp = FsdpLockstep.shard(
+            self.model,
+            mesh,
+            self.cfg.name,
+            block_size=self.cfg.block_size,
+            width=self.arch.num_features * self.arch.hidden_size,
+            device=self.device,
+        )
         self._build_optimizer()
 
     # ------------------------------------------------------------------------------------------ training
@@ -198,9 +221,7 @@ class Trainer:
     def warmup(self, triton_cache_dir=None) -> None:
         """Compile/autotune the loss kernels for the training chunk before the first timed step."""
         rows = min(self.cfg.loss_chunk_rows, self.max_anchors * self.cfg.block_size)
-        weighted_ce.warmup(
-            self.parts.vocab_size, rows, self.parts.lm_head.dtype, self.device, triton_cache_dir
-        )
+        weighted_ce.warmup(self.parts.vocab_size, rows, self.parts.lm_head.dtype, self.device, triton_cache_dir)
 
     def train_batch(
         self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, seq: int
@@ -236,8 +257,15 @@ class Trainer:
             return
         self._forward_backward(hidden, input_ids, loss_mask, cu_seqlens)
 
-    def _forward_backward(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
-                          stand_in: torch.Generator | None = None) -> None:
+    def _forward_backward(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        loss_mask: Tensor,
+        cu_seqlens: Tensor,
+        *,
+        stand_in: torch.Generator | None = None,
+    ) -> None:
         """stand_in: FSDP's zero-weight pass of a replica without a batch, its anchors drawn from this generator."""
         cfg, dev = self.cfg, self.device
         with timed(self.prof, "anchors"):
@@ -257,8 +285,14 @@ class Trainer:
                 partial_blocks=cfg.partial_blocks,
                 max_anchors=self.max_anchors,
             )
-            masks = attention_masks(batch, self.arch.attention_layers, cfg.sliding_window, flex=self.use_flex,
-                                    kernel=self.flex, sliding_block_attention=self.arch.sliding_block_attention)
+            masks = attention_masks(
+                batch,
+                self.arch.attention_layers,
+                cfg.sliding_window,
+                flex=self.use_flex,
+                kernel=self.flex,
+                sliding_block_attention=self.arch.sliding_block_attention,
+            )
         with timed(self.prof, "forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
             dflash2 = isinstance(self.model, DFlash2Drafter)  # the unary top-k from the loss's own logits pass
@@ -337,8 +371,9 @@ class Trainer:
             bad_weights = self.non_finite_params()
             cause = (
                 f" The drafter's own weights are non-finite ({', '.join(bad_weights[:3])}), so every step fails"
-                " whatever the batches hold." if bad_weights else
-                " The weights are finite, so the batches are: non-finite hidden states from the producer are"
+                " whatever the batches hold."
+                if bad_weights
+                else " The weights are finite, so the batches are: non-finite hidden states from the producer are"
                 " the usual cause; check the target's dtype and the batches at those seqs."
             )
             raise NonFiniteTrainingError(
@@ -366,8 +401,10 @@ class Trainer:
         (batches accumulated since then are not in it: resume replays them from last_seq + 1), on the CPU.
         Unsharded only: under FSDP the full state is gathered by every replica together (`gather_state`)."""
         if self.fsdp is not None:
-            raise RuntimeError(f"drafter {self.cfg.name}: sharded (FSDP): the full state is gathered with every"
-                               " replica, by gather_state()")
+            raise RuntimeError(
+                f"drafter {self.cfg.name}: sharded (FSDP): the full state is gathered with every"
+                " replica, by gather_state()"
+            )
         return self._state(self.model.state_dict(), self.optimizer.state_dict())
 
     def shape(self) -> dict:
@@ -413,9 +450,7 @@ class Trainer:
         """Load a state_dict() taken earlier; `source` (the checkpoint's path) is named in every error."""
         for key, mine in (("block_size", self.cfg.block_size), ("target_layer_ids", self.target_layer_ids)):
             if state[key] != mine:
-                raise ValueError(
-                    f"drafter {self.cfg.name}: {source} has {key}={state[key]}, this job has {mine}"
-                )
+                raise ValueError(f"drafter {self.cfg.name}: {source} has {key}={state[key]}, this job has {mine}")
         bad = [k for k, v in state["model"].items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:  # training on would skip every step and then blame the batches: say what is wrong now
             raise NonFiniteCheckpointError(

@@ -47,14 +47,27 @@ class Evaluator:
         self._samples: list[int] = []
         self._tokens = 0
 
-    def add(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, sample_ids,
-            validation: tuple[int, int, int]) -> PassResult | None:
+    def add(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        loss_mask: Tensor,
+        cu_seqlens: Tensor,
+        sample_ids,
+        validation: tuple[int, int, int],
+    ) -> PassResult | None:
         """Evaluate batch `index` of `count` of pass `pass_` (= `validation`); the result once the pass is whole."""
         pass_, index, count = validation
         if (pass_, index) != (self._pass, self._seen):
             if self._seen:
-                log.warning("validation pass %d: got batch %d of pass %d after %d of %d batches; the pass is dropped",
-                            self._pass, index, pass_, self._seen, count)
+                log.warning(
+                    "validation pass %d: got batch %d of pass %d after %d of %d batches; the pass is dropped",
+                    self._pass,
+                    index,
+                    pass_,
+                    self._seen,
+                    count,
+                )
             self._reset(pass_)
             if index != 0:
                 return None  # joined a pass in the middle: wait for the next one
@@ -75,23 +88,41 @@ class Evaluator:
     def _forward(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, index: int) -> None:
         tr, cfg = self.trainer, self.trainer.cfg
         generator = torch.Generator(device=tr.device).manual_seed((tr.seed * 1_000_003 + ANCHOR_STREAM + index) % 2**63)
-        autocast = (torch.autocast(tr.device.type, dtype=tr.autocast_dtype) if tr.autocast_dtype is not None
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(tr.device.type, dtype=tr.autocast_dtype)
+            if tr.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with torch.no_grad():
             ids = input_ids.to(tr.device, torch.int64, non_blocking=True)
             h = hidden.to(tr.device, non_blocking=True)
             if tr.autocast_dtype is None:
                 h = h.float()
-            batch = build_draft_batch(ids, loss_mask, cu_seqlens, anchors_per_seq=cfg.anchors_per_seq,
-                                      block_size=cfg.block_size, mask_token_id=tr.mask_token_id, gamma=cfg.loss_gamma,
-                                      generator=generator, partial_blocks=cfg.partial_blocks,
-                                      max_anchors=tr.max_anchors)
-            masks = attention_masks(batch, tr.arch.attention_layers, cfg.sliding_window, flex=tr.use_flex,
-                                    kernel=tr.flex, sliding_block_attention=tr.arch.sliding_block_attention)
+            batch = build_draft_batch(
+                ids,
+                loss_mask,
+                cu_seqlens,
+                anchors_per_seq=cfg.anchors_per_seq,
+                block_size=cfg.block_size,
+                mask_token_id=tr.mask_token_id,
+                gamma=cfg.loss_gamma,
+                generator=generator,
+                partial_blocks=cfg.partial_blocks,
+                max_anchors=tr.max_anchors,
+            )
+            masks = attention_masks(
+                batch,
+                tr.arch.attention_layers,
+                cfg.sliding_window,
+                flex=tr.use_flex,
+                kernel=tr.flex,
+                sliding_block_attention=tr.arch.sliding_block_attention,
+            )
             with autocast:
                 out = tr.model(h, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
-                loss_sum, correct = chunked_lm_head_loss(out, tr.model.lm_head, batch.labels, batch.weights,
-                                                         cfg.loss_chunk_rows)
+                loss_sum, correct = chunked_lm_head_loss(
+                    out, tr.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
+                )
             self.metrics.add(loss_sum, correct, batch.weights)
 
 
@@ -105,15 +136,26 @@ def job_validation(job, trainer, world_size: int, ckpt_root) -> tuple[Evaluator 
     if job.data.validation is None or not job.data.eval_every:
         return None, None
     if trainer.mesh is not None:
-        log.warning("drafter %s: validation batches are ignored under distributed = \"fsdp\" (its forward is"
-                    " collective, and only one replica receives them)", trainer.cfg.name)
+        log.warning(
+            'drafter %s: validation batches are ignored under distributed = "fsdp" (its forward is'
+            " collective, and only one replica receives them)",
+            trainer.cfg.name,
+        )
         return None, None
     if world_size > 1:
-        log.warning("drafter %s: its lowest live replica evaluates the validation passes and logs them; a best"
-                    " checkpoint is kept for single-replica drafters only", trainer.cfg.name)
+        log.warning(
+            "drafter %s: its lowest live replica evaluates the validation passes and logs them; a best"
+            " checkpoint is kept for single-replica drafters only",
+            trainer.cfg.name,
+        )
         return Evaluator(trainer), None
     best = BestCheckpoint(ckpt_root)
     if best.best is not None:
-        log.info("drafter %s: best held-out τ so far %.3f (step %d, %s)", trainer.cfg.name, best.best.tau,
-                 best.best.step, best.best.checkpoint)
+        log.info(
+            "drafter %s: best held-out τ so far %.3f (step %d, %s)",
+            trainer.cfg.name,
+            best.best.tau,
+            best.best.step,
+            best.best.checkpoint,
+        )
     return Evaluator(trainer), best

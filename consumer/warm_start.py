@@ -132,26 +132,33 @@ def check_config(config: dict, mine: dict, source: str, drafter: str, grows_from
         raise WarmStartError(f"{source}: architectures = {theirs_arch!r}, but drafter {drafter} is {my_arch!r}")
     theirs, mine = published_shape(config, source), published_shape(mine, "the job's drafter")
     if theirs["target_layer_ids"] is None:
-        raise WarmStartError(f"{source}: no dflash_config.target_layer_ids (nor num_target_layers to derive"
-                             " them): the target features the drafter was trained on are unknown")
+        raise WarmStartError(
+            f"{source}: no dflash_config.target_layer_ids (nor num_target_layers to derive"
+            " them): the target features the drafter was trained on are unknown"
+        )
     for key, job_key in JOB_KEYS.items():
         found, want = theirs[key], mine[key]
         if found is None or (key == "sliding_block_attention" and want is None):
             continue  # not stated there (the tensors' shapes still are checked), or no sliding layer here
-        same = abs(float(found) - float(want)) <= 1e-6 * abs(float(want)) if key == "rope_theta" else \
-            _plain(found) == _plain(want)
+        same = (
+            abs(float(found) - float(want)) <= 1e-6 * abs(float(want))
+            if key == "rope_theta"
+            else _plain(found) == _plain(want)
+        )
         if not same:
             raise WarmStartError(
                 f"{source}: {_stated(config, key, found)}, but drafter {drafter} has {key} = {want!r} ({job_key}):"
                 " the published weights do not fit this job; change the job to match or start from another"
-                " directory")
+                " directory"
+            )
 
 
 def _stated(config: dict, key: str, found) -> str:
     """Where and how the published config says `key` (found: its value as published_shape reads it)."""
     if key == "sliding_block_attention":
-        return (f"is_causal = {config['is_causal']!r}" if "is_causal" in config else "no is_causal") + \
-            f" (the engines serve its sliding layers' block {found})"
+        return (
+            f"is_causal = {config['is_causal']!r}" if "is_causal" in config else "no is_causal"
+        ) + f" (the engines serve its sliding layers' block {found})"
     if key in ("target_layer_ids", "block_size", "mask_token_id"):
         place = f"dflash_config.{key}" if key in (config.get("dflash_config") or {}) else key
         return f"{place} = {found!r}"
@@ -187,24 +194,37 @@ def read_weights(root: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_tensors(state: dict[str, torch.Tensor], params: dict[str, torch.Tensor], may_be_missing: frozenset[str],
-                  source: str, drafter: str) -> dict[str, torch.Tensor]:
+def check_tensors(
+    state: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    may_be_missing: frozenset[str],
+    source: str,
+    drafter: str,
+) -> dict[str, torch.Tensor]:
     """The published tensors under the drafter's names (a leading "model." dropped, as SGLang does), each
     with the shape of its parameter; WarmStartError names the first missing, unexpected or misshapen one."""
-    named = {k.removeprefix("model.") if k not in params and k.removeprefix("model.") in params else k: v
-             for k, v in state.items()}
+    named = {
+        k.removeprefix("model.") if k not in params and k.removeprefix("model.") in params else k: v
+        for k, v in state.items()
+    }
     unexpected = sorted(set(named) - set(params))
     if unexpected:
-        raise WarmStartError(f"{source}: tensor(s) {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} are not"
-                             f" parameters of drafter {drafter} (another architecture?)")
+        raise WarmStartError(
+            f"{source}: tensor(s) {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} are not"
+            f" parameters of drafter {drafter} (another architecture?)"
+        )
     missing = sorted(set(params) - set(named) - may_be_missing)
     if missing:
-        raise WarmStartError(f"{source}: drafter {drafter}'s parameter(s) {missing[:4]}"
-                             f"{' ...' if len(missing) > 4 else ''} are missing there")
+        raise WarmStartError(
+            f"{source}: drafter {drafter}'s parameter(s) {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} are missing there"
+        )
     for key, tensor in named.items():
         if tuple(tensor.shape) != tuple(params[key].shape):
-            raise WarmStartError(f"{source}: tensor {key} has shape {list(tensor.shape)}, drafter {drafter}'s"
-                                 f" parameter has {list(params[key].shape)}")
+            raise WarmStartError(
+                f"{source}: tensor {key} has shape {list(tensor.shape)}, drafter {drafter}'s"
+                f" parameter has {list(params[key].shape)}"
+            )
     return named
 
 
@@ -237,8 +257,13 @@ def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] | None 
         for key, tensor in named.items():
             params[key].copy_(tensor.to(params[key].dtype))
     kept = sorted(set(params) - set(named))
-    log.info("drafter %s starts from %s: %d tensors%s; fresh optimizer at step 0", trainer.cfg.name, root,
-             len(named), f", {len(kept)} kept at their initialisation ({', '.join(kept[:4])})" if kept else "")
+    log.info(
+        "drafter %s starts from %s: %d tensors%s; fresh optimizer at step 0",
+        trainer.cfg.name,
+        root,
+        len(named),
+        f", {len(kept)} kept at their initialisation ({', '.join(kept[:4])})" if kept else "",
+    )
     return root
 
 
@@ -249,7 +274,11 @@ def warm_start_unless_resuming(trainer, ckpt_root: str | Path) -> None:
     if path is None:
         return
     if read_pointer(ckpt_root) is not None:
-        log.info("drafter %s: init_from %s is not read: the job's own checkpoint in %s is resumed instead",
-                 trainer.cfg.name, path, ckpt_root)
+        log.info(
+            "drafter %s: init_from %s is not read: the job's own checkpoint in %s is resumed instead",
+            trainer.cfg.name,
+            path,
+            ckpt_root,
+        )
         return
     warm_start(trainer, path)

@@ -175,9 +175,7 @@ def prompt_bucket(prompt: str, buckets: int = 20) -> int:
     return int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "little") % buckets
 
 
-def split_corpus(
-    records: list[dict], held_out: int, drafter: int
-) -> tuple[list[dict], list[dict], list[dict]]:
+def split_corpus(records: list[dict], held_out: int, drafter: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(pretrain, drafter prompts, held-out prompts), split by prompt so no prompt is in two parts.
 
     A stable hash sends 1/20 of the prompt space to evaluation and 4/20 to the drafters' data: both are

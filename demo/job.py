@@ -133,9 +133,7 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
         steps=size.pretrain_steps,
         seed=seed,
     )
-    log(
-        f"target pretrained: {pre.steps} steps, {pre.tokens} tokens in {pre.seconds:.0f}s, loss {pre.final_loss:.4f}"
-    )
+    log(f"target pretrained: {pre.steps} steps, {pre.tokens} tokens in {pre.seconds:.0f}s, loss {pre.final_loss:.4f}")
     target = AutoModelForCausalLM.from_pretrained(pre.path, local_files_only=True, dtype=torch.float32)
     t_acc = time.perf_counter()
     accuracy = greedy_accuracy(target, tokenizer, held)
@@ -189,33 +187,69 @@ def planned_batches(path: Path, tokenizer, size: DemoSize, seed: int, validation
     encoder = ChatEncoder(tokenizer, size.max_length)
     with path.open() as f:
         lengths = [len(encoder.encode(json.loads(line)["messages"])[0]) for line in f]
-    plan = BatchPlan(lengths, seed, size.epochs, size.tokens_per_batch, LENGTH_GROUP_WINDOW,
-                     exclude=excluded_ids(validation, len(lengths), seed))
+    plan = BatchPlan(
+        lengths,
+        seed,
+        size.epochs,
+        size.tokens_per_batch,
+        LENGTH_GROUP_WINDOW,
+        exclude=excluded_ids(validation, len(lengths), seed),
+    )
     return sum(len(plan.epoch_batches(e)) for e in range(size.epochs))
 
 
 DEMO_DRAFTERS = (("d_b8", 8, {}), ("d_b16", 16, {}))
 
 
-def job_doc(run_dir: Path, size: DemoSize, report: dict, seed: int = 0,
-            drafters_spec: tuple[tuple[str, int, dict], ...] = DEMO_DRAFTERS) -> dict:
+def job_doc(
+    run_dir: Path,
+    size: DemoSize,
+    report: dict,
+    seed: int = 0,
+    drafters_spec: tuple[tuple[str, int, dict], ...] = DEMO_DRAFTERS,
+) -> dict:
     """The demo job: every drafter sees every batch; the lr schedule spans exactly the planned batches.
     drafters_spec: (name, block size, extra drafter keys) per drafter (bench/recipe_ab.py adds variants)."""
     assets = run_dir / "assets"
     batches = report["train_batches"]
-    drafters = [{"name": name, "block_size": block, "num_layers": size.drafter_layers,
-                 "anchors_per_seq": size.anchors_per_seq, "dtype": "float32", "lr": size.drafter_lr,
-                 "warmup_frac": 0.04, "min_lr_ratio": 0.1, "total_steps": batches,
-                 "checkpoint_every": max(1, batches // 4), "log_every": 10, **extra}
-                for name, block, extra in drafters_spec]
+    drafters = [
+        {
+            "name": name,
+            "block_size": block,
+            "num_layers": size.drafter_layers,
+            "anchors_per_seq": size.anchors_per_seq,
+            "dtype": "float32",
+            "lr": size.drafter_lr,
+            "warmup_frac": 0.04,
+            "min_lr_ratio": 0.1,
+            "total_steps": batches,
+            "checkpoint_every": max(1, batches // 4),
+            "log_every": 10,
+            **extra,
+        }
+        for name, block, extra in drafters_spec
+    ]
     return {
         "job": {"name": "demo", "run_dir": str(run_dir), "seed": seed},
-        "target": {"path": str(assets / "target"), "dtype": "float32", "device": "cpu", "attn_implementation": "sdpa",
-                   "num_features": len(size.layer_ids), "layer_ids": list(size.layer_ids)},
-        "data": {"path": str(assets / "train.jsonl"), "format": "chat", "max_length": size.max_length,
-                 "tokens_per_batch": size.tokens_per_batch, "epochs": size.epochs,
-                 "length_group_window": LENGTH_GROUP_WINDOW, "validation": VALIDATION, "eval_every": EVAL_EVERY,
-                 "validation_max_records": VALIDATION_MAX_RECORDS},
+        "target": {
+            "path": str(assets / "target"),
+            "dtype": "float32",
+            "device": "cpu",
+            "attn_implementation": "sdpa",
+            "num_features": len(size.layer_ids),
+            "layer_ids": list(size.layer_ids),
+        },
+        "data": {
+            "path": str(assets / "train.jsonl"),
+            "format": "chat",
+            "max_length": size.max_length,
+            "tokens_per_batch": size.tokens_per_batch,
+            "epochs": size.epochs,
+            "length_group_window": LENGTH_GROUP_WINDOW,
+            "validation": VALIDATION,
+            "eval_every": EVAL_EVERY,
+            "validation_max_records": VALIDATION_MAX_RECORDS,
+        },
         "transport": {"kind": "cpu", "slots": 4},
         "drafters": drafters,
         "telemetry": {"interval_s": 2.0, "wandb_mode": "offline", "wandb_project": "dflash-demo"},
@@ -241,19 +275,23 @@ def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: in
         report = build_assets(assets, size, seed, threads)
         log(f"assets built in {report['build_seconds']:.0f}s")
     else:
-        log(
-            f"demo assets are ready in {assets} (built in {report['build_seconds']:.0f}s; delete {ready} to rebuild)"
-        )
+        log(f"demo assets are ready in {assets} (built in {report['build_seconds']:.0f}s; delete {ready} to rebuild)")
         if report.get("validation") != VALIDATION:  # built before the split: the plan's length without it
             tokenizer = load_tokenizer(assets / "tokenizer")
-            report = {**report, "validation": VALIDATION,
-                      "train_batches": planned_batches(assets / "train.jsonl", tokenizer, size, seed)}
+            report = {
+                **report,
+                "validation": VALIDATION,
+                "train_batches": planned_batches(assets / "train.jsonl", tokenizer, size, seed),
+            }
             tmp = ready.with_suffix(".tmp")
             tmp.write_text(json.dumps(report, indent=2) + "\n")
             tmp.replace(ready)
     job_path = run_dir / "demo.toml"
-    text = job_text(job_doc(run_dir, size, report, seed), source=str(job_path),
-                    header="The embedded demo job, written by `python -m demo prepare` (CPU, float32).")
+    text = job_text(
+        job_doc(run_dir, size, report, seed),
+        source=str(job_path),
+        header="The embedded demo job, written by `python -m demo prepare` (CPU, float32).",
+    )
     if not job_path.is_file() or job_path.read_text() != text:
         job_path.write_text(text)
     load_job(job_path)  # a demo that cannot start fails here, naming the key
@@ -268,13 +306,14 @@ def print_held_out(job) -> None:
         if curve:
             best = read_pointer(job.run_paths.checkpoints(d.name), BEST)
             points = ", ".join(f"{tau:.2f}@{step}" for _, step, tau in curve)
-            print(f"{d.name}: held-out tau during training (tau@step): {points}; best: checkpoints/{d.name}/best ->"
-                  f" {best}", flush=True)
+            print(
+                f"{d.name}: held-out tau during training (tau@step): {points}; best: checkpoints/{d.name}/best ->"
+                f" {best}",
+                flush=True,
+            )
 
 
-def evaluate_demo(
-    job_path: str | Path, limit: int | None = None, max_new_tokens: int = 160
-) -> tuple[dict, bool]:
+def evaluate_demo(job_path: str | Path, limit: int | None = None, max_new_tokens: int = 160) -> tuple[dict, bool]:
     """Evaluate every drafter of the demo job on the held-out prompts; (reports by name, all lossless)."""
     from consumer.evaluate import format_report, run_eval  # imported late: prepare needs no drafter code
 
@@ -311,9 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     e = sub.add_parser("evaluate", help="speculative decoding with the demo job's trained drafters")
     e.add_argument("job")
-    e.add_argument(
-        "--limit", type=int, default=None, help="decode the first N held-out prompts (default: all)"
-    )
+    e.add_argument("--limit", type=int, default=None, help="decode the first N held-out prompts (default: all)")
     e.add_argument("--json", action="store_true", help="print every report as one JSON object, last")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":

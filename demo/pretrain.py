@@ -151,9 +151,7 @@ def pretrain_target(
 
 
 @torch.no_grad()
-def greedy_accuracy(
-    model, tokenizer: PreTrainedTokenizerBase, records: list[dict], batch_size: int = 64
-) -> dict:
+def greedy_accuracy(model, tokenizer: PreTrainedTokenizerBase, records: list[dict], batch_size: int = 64) -> dict:
     """Greedy answers of `model` on the records' prompts against their reference answers.
 
     Returns the exact-match rate, the token accuracy (reference tokens reproduced at their position)

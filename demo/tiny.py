@@ -199,14 +199,10 @@ def synthetic_chats(n: int, seed: int = 0, max_turns: int = 3, max_words: int = 
         return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, max_words))).capitalize() + "."
 
     for _ in range(n):
-        messages = (
-            [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.3 else []
-        )
+        messages = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.3 else []
         for _ in range(rng.randint(1, max_turns)):
             messages.append({"role": "user", "content": sentence()})
-            messages.append(
-                {"role": "assistant", "content": " ".join(sentence() for _ in range(rng.randint(1, 3)))}
-            )
+            messages.append({"role": "assistant", "content": " ".join(sentence() for _ in range(rng.randint(1, 3)))})
         yield {"messages": messages}
 
 

@@ -48,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--replica", type=int, default=0, help="which target replica (target.replicas) this producer is")
-    ap.add_argument("--profile-interval", type=float, default=None,
-                    help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)")
+    ap.add_argument(
+        "--profile-interval",
+        type=float,
+        default=None,
+        help="seconds between stats snapshots (default: telemetry.interval_s; 0 disables)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s producer %(levelname)s %(message)s")
     watch_supervisor()  # launch.sh's death becomes a SIGTERM: a graceful stop, never an orphan holding the job
@@ -57,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.job)
         if not 0 <= args.replica < job.target.replicas:
-            raise ConfigError(f"{args.job}: --replica {args.replica} is outside target.replicas ="
-                              f" {job.target.replicas} (0..{job.target.replicas - 1})")
+            raise ConfigError(
+                f"{args.job}: --replica {args.replica} is outside target.replicas ="
+                f" {job.target.replicas} (0..{job.target.replicas - 1})"
+            )
         tp = TPRank.from_env(job.target.tp_size) if job.target.tp_size > 1 else TPRank(0, 1, 0)
         name = producer_name(args.replica, tp.rank)
         lock = claim_run_folder(job, args.job, name, args.node_rank, copy_job=tp.rank == 0)
@@ -79,8 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         log.info("tensor-parallel rank %d of %d on %s: following rank 0", tp.rank, tp.world, device)
         return follow(loaded.target, loaded.tp_group)
     try:
-        service = build_producer(job, loaded, node=args.node_rank, replica=args.replica, device=device,
-                                 launch_id=lock.launch_id, prof=prof, stats=stats, beat=beat)
+        service = build_producer(
+            job,
+            loaded,
+            node=args.node_rank,
+            replica=args.replica,
+            device=device,
+            launch_id=lock.launch_id,
+            prof=prof,
+            stats=stats,
+            beat=beat,
+        )
     except (RingError, RuntimeError, OSError) as err:  # no room in /dev/shm, the job already running, ...
         log.error("%s", err)
         if stats:

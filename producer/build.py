@@ -81,12 +81,26 @@ def build_dataset(job: JobConfig, node_rank: int, nnodes: int) -> tuple[ChatData
     hub = HubSelection(job.data.split, job.data.subset, job.data.revision)
     dataset = ChatDataset(job.data.path, job.data.format, encoder, limits, hub)
     stats = dataset.stats
-    log.info("indexed %s: %d samples, %d tokens, %d truncated, skipped %s (%.1f s)", job.data.path, len(dataset),
-             stats.tokens, stats.truncated, dict(stats.skipped) or "none", time.perf_counter() - start)
+    log.info(
+        "indexed %s: %d samples, %d tokens, %d truncated, skipped %s (%.1f s)",
+        job.data.path,
+        len(dataset),
+        stats.tokens,
+        stats.truncated,
+        dict(stats.skipped) or "none",
+        time.perf_counter() - start,
+    )
     shards = nnodes if job.data.shard_by_node else 1
-    plan = BatchPlan(dataset.lengths, job.job.seed, job.data.epochs, job.data.tokens_per_batch,
-                     job.data.length_group_window, shard_index=node_rank % shards, shard_count=shards,
-                     exclude=excluded_ids(job.data.validation, len(dataset), job.job.seed))  # held out: never planned
+    plan = BatchPlan(
+        dataset.lengths,
+        job.job.seed,
+        job.data.epochs,
+        job.data.tokens_per_batch,
+        job.data.length_group_window,
+        shard_index=node_rank % shards,
+        shard_count=shards,
+        exclude=excluded_ids(job.data.validation, len(dataset), job.job.seed),
+    )  # held out: never planned
     return dataset, plan
 
 
@@ -96,11 +110,19 @@ def checked_fingerprint(job: JobConfig, dataset: ChatDataset, node_rank: int, nn
     start = time.perf_counter()
     d, shards = job.data, nnodes if job.data.shard_by_node else 1
     fingerprint = plan_fingerprint(
-        data_path=d.path, data_format=d.format, tokenizer_dir=d.tokenizer or job.target.path,
-        chat_template_kwargs=d.chat_template_kwargs, max_length=d.max_length, tokens_per_batch=d.tokens_per_batch,
-        length_group_window=d.length_group_window, seed=job.job.seed, shard=(node_rank % shards, shards),
-        lengths=dataset.lengths, data_files=dataset.files,
-        validation=split_fingerprint(d.validation, len(dataset), job.job.seed))
+        data_path=d.path,
+        data_format=d.format,
+        tokenizer_dir=d.tokenizer or job.target.path,
+        chat_template_kwargs=d.chat_template_kwargs,
+        max_length=d.max_length,
+        tokens_per_batch=d.tokens_per_batch,
+        length_group_window=d.length_group_window,
+        seed=job.job.seed,
+        shard=(node_rank % shards, shards),
+        lengths=dataset.lengths,
+        data_files=dataset.files,
+        validation=split_fingerprint(d.validation, len(dataset), job.job.seed),
+    )
     note = check_plan(plan_records(job.run_paths.root, node_rank), d.lineage, fingerprint, d.epochs, job.run_paths.root)
     log.info("%s (plan fingerprint in %.2f s)", note, time.perf_counter() - start)
     return fingerprint
@@ -123,9 +145,16 @@ class DataPlan:
     def ledger(self, job: JobConfig, node: int) -> DeliveryLedger:
         """The job log every delivered batch of this plan is appended to (common/accounting.py)."""
         plan = self.plan
-        return DeliveryLedger(job.run_paths.root, node, len(plan), [plan.batches_per_epoch(e) for e in range(plan.epochs)],
-                              plan.sample_ids.tolist(), lineage=job.data.lineage, fingerprint=self.fingerprint,
-                              validation=self.held_out.plan_record() if self.held_out else None)
+        return DeliveryLedger(
+            job.run_paths.root,
+            node,
+            len(plan),
+            [plan.batches_per_epoch(e) for e in range(plan.epochs)],
+            plan.sample_ids.tolist(),
+            lineage=job.data.lineage,
+            fingerprint=self.fingerprint,
+            validation=self.held_out.plan_record() if self.held_out else None,
+        )
 
 
 def load_data(job: JobConfig, node: int, nnodes: int) -> DataPlan:
@@ -149,8 +178,9 @@ def ring_before_target(job: JobConfig, node: int, replica: int) -> SlotRing | No
 def load_job_target(job: JobConfig, device: str) -> TargetCapture:
     """The job's target on `device`, cut to its captured layers (tensor/expert parallel as the job says)."""
     t = job.target
-    return load_target(t.path, t.layer_ids, t.num_features, t.dtype, device, t.attn_implementation,
-                       distributed_config(t))
+    return load_target(
+        t.path, t.layer_ids, t.num_features, t.dtype, device, t.attn_implementation, distributed_config(t)
+    )
 
 
 @dataclass
@@ -183,34 +213,89 @@ def load(job: JobConfig, *, node: int, nnodes: int, replica: int, tp: TPRank, de
 
 
 # ---------------------------------------------------------------------------------------------- the service
-def build_service(job: JobConfig, target: TargetCapture, batches_from: BatchSource, total_batches: int, *,
-                  node: int = 0, replica: int = 0, ring: SlotRing | None = None, ledger: DeliveryLedger | None = None,
-                  launch_id: str = "", prof: ProfileStats | None = None, stats: StatsSink | None = None,
-                  beat: StartupBeat | None = None, held_out: HeldOut | None = None) -> ProducerService:
+def build_service(
+    job: JobConfig,
+    target: TargetCapture,
+    batches_from: BatchSource,
+    total_batches: int,
+    *,
+    node: int = 0,
+    replica: int = 0,
+    ring: SlotRing | None = None,
+    ledger: DeliveryLedger | None = None,
+    launch_id: str = "",
+    prof: ProfileStats | None = None,
+    stats: StatsSink | None = None,
+    beat: StartupBeat | None = None,
+    held_out: HeldOut | None = None,
+) -> ProducerService:
     """The producer loop of target replica `replica` on node `node`, serving `batches_from` through the job's
     ring name. Production passes the loaded target and the data plan; bench and tests pass stand-ins.
     `held_out`: the validation passes this producer runs (producer 0 of node 0 alone)."""
-    return ProducerService(job, target, batches_from, total_batches, ring_name=job.ring_name(node, replica), ring=ring,
-                           prof=prof, stats=stats, ledger=ledger, launch_id=launch_id, node=node, replica=replica,
-                           beat=beat, held_out=held_out)
+    return ProducerService(
+        job,
+        target,
+        batches_from,
+        total_batches,
+        ring_name=job.ring_name(node, replica),
+        ring=ring,
+        prof=prof,
+        stats=stats,
+        ledger=ledger,
+        launch_id=launch_id,
+        node=node,
+        replica=replica,
+        beat=beat,
+        held_out=held_out,
+    )
 
 
-def build_producer(job: JobConfig, loaded: Loaded, *, node: int, replica: int, device: str, launch_id: str,
-                   prof: ProfileStats | None, stats: StatsSink | None, beat: StartupBeat | None) -> ProducerService:
+def build_producer(
+    job: JobConfig,
+    loaded: Loaded,
+    *,
+    node: int,
+    replica: int,
+    device: str,
+    launch_id: str,
+    prof: ProfileStats | None,
+    stats: StatsSink | None,
+    beat: StartupBeat | None,
+) -> ProducerService:
     """Rank 0's service over what `load` made (a tensor-parallel leader drives its followers through the
     target). On failure the ring is closed and the followers are stopped before the error propagates."""
     target, data = loaded.target, loaded.data
     assert data is not None, "build_producer is rank 0's: the followers run producer.tp.follow"
-    log.info("target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s", job.target.path,
-             target.layers_run, target.num_target_layers, target.layer_ids, target.hidden_size,
-             target.feature_width, job.target.dtype, device)
+    log.info(
+        "target %s: %d of %d layers run, features %s × %d = %d wide, %s on %s",
+        job.target.path,
+        target.layers_run,
+        target.num_target_layers,
+        target.layer_ids,
+        target.hidden_size,
+        target.feature_width,
+        job.target.dtype,
+        device,
+    )
     target.prof = prof  # counts the batches that run one forward per sequence
     if loaded.tp_group is not None:
         target = LeaderTarget(target, loaded.tp_group.control, keepalive_s=job.transport.heartbeat_interval_s)
     try:
-        return build_service(job, target, data.batches_from(job), len(data.plan), node=node, replica=replica,
-                             ring=loaded.ring, ledger=data.ledger(job, node), launch_id=launch_id, prof=prof,
-                             stats=stats, beat=beat, held_out=data.held_out if (node, replica) == (0, 0) else None)
+        return build_service(
+            job,
+            target,
+            data.batches_from(job),
+            len(data.plan),
+            node=node,
+            replica=replica,
+            ring=loaded.ring,
+            ledger=data.ledger(job, node),
+            launch_id=launch_id,
+            prof=prof,
+            stats=stats,
+            beat=beat,
+            held_out=data.held_out if (node, replica) == (0, 0) else None,
+        )
     except BaseException:
         if loaded.ring is not None:
             loaded.ring.close()  # the service closes it on its own failures; closing twice is harmless

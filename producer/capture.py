@@ -101,7 +101,9 @@ def _stateful_mixer(model: nn.Module, prefix: str = "") -> str | None:
             what = "a state-space recurrence (A_log)"
         else:
             continue
-        return f"{prefix}{name} ({type(module).__name__}) is {what}, which carries a state from one sequence into the next"
+        return (
+            f"{prefix}{name} ({type(module).__name__}) is {what}, which carries a state from one sequence into the next"
+        )
     return None
 
 
@@ -155,6 +157,7 @@ class Segments:
         valid = pos[None, :] < lengths[:, None]  # [B, L]
         src = starts[:, None] + pos[None, :]
         gather = torch.where(valid, src, torch.tensor(total)).flatten()
+
         def put(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
@@ -212,9 +215,7 @@ class TargetCapture:
         self.segments: Segments | None = None  # set during a packed forward
         self._out: torch.Tensor | None = None
         # HF's hidden_states[N] is the final-normed output, so the last layer is read from the model output
-        self.last_block = (
-            self.layer_ids.index(num_target_layers - 1) if num_target_layers - 1 in layer_ids else None
-        )
+        self.last_block = self.layer_ids.index(num_target_layers - 1) if num_target_layers - 1 in layer_ids else None
         for k, i in enumerate(self.layer_ids):
             if k != self.last_block:
                 model.layers[i].register_forward_hook(self._copy_hook(k))
@@ -385,5 +386,3 @@ class TargetCapture:
         if self.last_block is not None:
             h = self.hidden_size
             out[:, self.last_block * h : (self.last_block + 1) * h].copy_(result.last_hidden_state[0])
-
-

@@ -57,7 +57,15 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 COLUMNS: dict[str, tuple[str, ...]] = {"chat": ("messages", "conversations"), "prompt_response": ("prompt", "response")}
 
 __all__ = [
-    "ChatDataset", "ChatEncoder", "DataError", "HubSelection", "Message", "RecordError", "RecordLimits", "iter_messages", "location",
+    "ChatDataset",
+    "ChatEncoder",
+    "DataError",
+    "HubSelection",
+    "Message",
+    "RecordError",
+    "RecordLimits",
+    "iter_messages",
+    "location",
     "parse_record",
 ]
 
@@ -216,9 +224,7 @@ class ChatEncoder:
             )
         return end + len(eot)
 
-    def encode(
-        self, messages: list[Message], deadline: float | None = None
-    ) -> tuple[list[int], list[int], int]:
+    def encode(self, messages: list[Message], deadline: float | None = None) -> tuple[list[int], list[int], int]:
         """→ (input_ids, loss_mask) truncated to max_length, and the length before truncation (exact when
         not truncated; a lower bound above max_length when truncated: the rest is never tokenized).
 
@@ -341,8 +347,14 @@ class ChatDataset:
     when a batch needs them, so memory holds two integers per sample, not the tokens.
     """
 
-    def __init__(self, path: str | Path, fmt: Format, encoder: ChatEncoder, limits: RecordLimits | None = None,
-                 hub: HubSelection | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        fmt: Format,
+        encoder: ChatEncoder,
+        limits: RecordLimits | None = None,
+        hub: HubSelection | None = None,
+    ):
         self.path = Path(path)
         self.format: Format = fmt
         self.encoder = encoder
@@ -365,9 +377,14 @@ class ChatDataset:
             now = time.monotonic()
             if now - last_report > INDEX_PROGRESS_S:
                 last_report = now
-                log.info("indexing %s: %d records read, %d usable, %d tokens (%.0f records/s)", self.path,
-                         self.stats.records, len(self.positions), self.stats.tokens,
-                         self.stats.records / (now - started))
+                log.info(
+                    "indexing %s: %d records read, %d usable, %d tokens (%.0f records/s)",
+                    self.path,
+                    self.stats.records,
+                    len(self.positions),
+                    self.stats.tokens,
+                    self.stats.records / (now - started),
+                )
             try:
                 if isinstance(rec, RecordError):
                     raise rec
@@ -438,9 +455,7 @@ class SampleReader:
         messages = record_messages(self.records.get(ds.positions[sample_id]), ds.format)
         ids, mask, _ = ds.encoder.encode(messages)
         if len(ids) != ds.lengths[sample_id]:
-            raise DataError(
-                f"{ds.path}: sample {sample_id} changed length since indexing; was the file edited?"
-            )
+            raise DataError(f"{ds.path}: sample {sample_id} changed length since indexing; was the file edited?")
         return ids, mask
 
     def close(self) -> None:

@@ -81,9 +81,8 @@ def collect(job: JobConfig, dataset: ChatDataset, plan: BatchPlan) -> dict:
         "tokens": stats.tokens,
         "loss_tokens": stats.loss_tokens,
         "loss_fraction": stats.loss_tokens / max(stats.tokens, 1),
-        "length_percentiles": {
-            f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)
-        } | {"max": int(lengths.max())},
+        "length_percentiles": {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)}
+        | {"max": int(lengths.max())},
         "length_histogram": length_histogram(lengths, job.data.max_length),
         "tokens_per_batch": job.data.tokens_per_batch,
         "batches_per_epoch": epochs,

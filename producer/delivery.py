@@ -38,8 +38,15 @@ class Group:
 
 
 class Delivery:
-    def __init__(self, drafters: list[str], total_batches: int, on_dead_group: Literal["block", "skip"] = "block",
-                 *, stride: int = 1, offset: int = 0):
+    def __init__(
+        self,
+        drafters: list[str],
+        total_batches: int,
+        on_dead_group: Literal["block", "skip"] = "block",
+        *,
+        stride: int = 1,
+        offset: int = 0,
+    ):
         """`stride`, `offset`: this producer makes the seqs offset, offset + stride, ... of the node's plan
         (target replica `offset` of `stride`; the other seqs are the other replicas')."""
         self.groups = {d: Group(d) for d in drafters}

@@ -32,8 +32,17 @@ from producer.records import DataError
 
 FINGERPRINT_VERSION = 1
 # what AutoTokenizer reads from a model folder; the chat template lives in one of the last three
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "special_tokens_map.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # how each compared key reads in a message
 KEY_NAMES = {
     "data_bytes": "the data file's size (data.path)",
@@ -81,10 +90,21 @@ def lengths_digest(lengths: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()
 
 
-def plan_fingerprint(*, data_path: str | Path, data_format: str, tokenizer_dir: str | Path,
-                     chat_template_kwargs: dict, max_length: int, tokens_per_batch: int, length_group_window: int,
-                     seed: int, shard: tuple[int, int], lengths: Sequence[int],
-                     data_files: Sequence[Path] | None = None, validation: dict | None = None) -> dict:
+def plan_fingerprint(
+    *,
+    data_path: str | Path,
+    data_format: str,
+    tokenizer_dir: str | Path,
+    chat_template_kwargs: dict,
+    max_length: int,
+    tokens_per_batch: int,
+    length_group_window: int,
+    seed: int,
+    shard: tuple[int, int],
+    lengths: Sequence[int],
+    data_files: Sequence[Path] | None = None,
+    validation: dict | None = None,
+) -> dict:
     """Every input of the node's plan except `epochs`, as a JSON-able dict of compared keys.
 
     `data_files` are the files `data_path` reads (a hub dataset's split shards, in order); default: the path.
@@ -143,11 +163,14 @@ def check_plan(previous: list[dict], lineage: str, fingerprint: dict, epochs: in
     if lineage != order[-1]:
         if lineage in order:
             raise PlanChanged(
-                f"data.lineage = \"{lineage}\" was followed by \"{order[order.index(lineage) + 1]}\" in {run_dir}: a"
+                f'data.lineage = "{lineage}" was followed by "{order[order.index(lineage) + 1]}" in {run_dir}: a'
                 f" lineage is never resumed once another started (its cursor is gone); set data.lineage ="
-                f" \"{order[-1]}\" to go on with the current one, or a new name to start another")
-        return (f"data lineage {lineage!r} starts a new plan of {epochs} epoch(s) from the drafters' current weights"
-                f" (after {', '.join(repr(n) for n in order)})")
+                f' "{order[-1]}" to go on with the current one, or a new name to start another'
+            )
+        return (
+            f"data lineage {lineage!r} starts a new plan of {epochs} epoch(s) from the drafters' current weights"
+            f" (after {', '.join(repr(n) for n in order)})"
+        )
     old = last.get("fingerprint")
     if old is None:  # written before plans had fingerprints: nothing to compare, the first one is recorded now
         return f"data lineage {lineage!r}: the run's earlier plan records carry no fingerprint; recording one now"
@@ -161,13 +184,16 @@ def check_plan(previous: list[dict], lineage: str, fingerprint: dict, epochs: in
             f" data file {fingerprint['data_path']}): resuming would train the new plan from the old cursor,"
             f" some samples twice and others never. Refused; nothing was trained. To go on: restore what changed,"
             f" or start a new run folder (job.run_dir), or keep the drafters' weights and start a new data lineage"
-            f" with data.lineage = \"{nxt}\" in the job file")
+            f' with data.lineage = "{nxt}" in the job file'
+        )
     was = len(last.get("epochs", ()))
     if epochs > was:
         return f"data lineage {lineage!r}: epochs raised {was} → {epochs}; the trained epochs stay, {epochs - was} appended"
     if epochs < was:
-        return (f"data lineage {lineage!r}: epochs lowered {was} → {epochs}; the plan now ends after epoch"
-                f" {epochs - 1}, and a drafter already past it has nothing left to train")
+        return (
+            f"data lineage {lineage!r}: epochs lowered {was} → {epochs}; the plan now ends after epoch"
+            f" {epochs - 1}, and a drafter already past it has nothing left to train"
+        )
     return f"data lineage {lineage!r}: the plan matches the run's ({epochs} epoch(s))"
 
 

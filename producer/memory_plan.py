@@ -29,8 +29,14 @@ from common.target_probe import EXPERT_COUNT_KEYS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FIT_TOKENS = (512, 1024)  # batch sizes the forward is measured at when tokens_per_batch is larger
-TP_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "linear_num_key_heads",
-                 "linear_num_value_heads", "shared_expert_intermediate_size")
+TP_SPLIT_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "shared_expert_intermediate_size",
+)
 
 
 class TargetConfigError(ValueError):
@@ -42,8 +48,10 @@ def read_text_config(path: str | Path) -> PretrainedConfig:
     path = Path(path)
     folder = path.parent if path.name == "config.json" else path
     if not (folder / "config.json").is_file():
-        raise TargetConfigError(f"{folder}/config.json: not found (the memory plan needs the target's config; pass"
-                                " --target-config DIR where the model is not on this machine)")
+        raise TargetConfigError(
+            f"{folder}/config.json: not found (the memory plan needs the target's config; pass"
+            " --target-config DIR where the model is not on this machine)"
+        )
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True).get_text_config()
     except (OSError, ValueError, KeyError) as err:
@@ -138,8 +146,9 @@ def plan_target(job: JobConfig, text: PretrainedConfig) -> list[ProcessMemory]:
     weights = weight_bytes(shard, t.dtype)
     acts = forward_peak(prefix_of_every_kind(shard), t.dtype, job.data.tokens_per_batch)
     width = (len(t.layer_ids) if t.layer_ids else t.num_features) * int(text.hidden_size)
-    ring = job.transport.slots * (job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, width,
-                                                                                  t.dtype))
+    ring = job.transport.slots * (
+        job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, width, t.dtype)
+    )
     out = []
     for replica in range(t.replicas):
         for rank, dev in enumerate(t.devices_of(replica)):
@@ -159,11 +168,14 @@ def main(argv: list[str]) -> int:
 
     from common.config import ConfigError, load_job
 
-    ap = argparse.ArgumentParser(prog="python -m producer memory-plan", description="the target ranks' planned"
-                                 " GPU memory (common/memory_plan.py), one JSON line per rank with --json")
+    ap = argparse.ArgumentParser(
+        prog="python -m producer memory-plan",
+        description="the target ranks' planned GPU memory (common/memory_plan.py), one JSON line per rank with --json",
+    )
     ap.add_argument("job")
-    ap.add_argument("--target-config", default=None, help="the target's model directory or config.json (default:"
-                    " target.path)")
+    ap.add_argument(
+        "--target-config", default=None, help="the target's model directory or config.json (default: target.path)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:

@@ -26,8 +26,9 @@ class PlannedBatch:
     num_tokens: int
 
 
-def shard_sample_ids(num_samples: int, seed: int, shard_index: int, shard_count: int,
-                     exclude: Sequence[int] = ()) -> np.ndarray:
+def shard_sample_ids(
+    num_samples: int, seed: int, shard_index: int, shard_count: int, exclude: Sequence[int] = ()
+) -> np.ndarray:
     """This node's sample ids: a seeded permutation dealt round-robin, so shards are disjoint and cover all
     but `exclude` (the held-out records, producer/validation.py; none: the plan of a job without them)."""
     if not 0 <= shard_index < shard_count:

@@ -50,9 +50,7 @@ class Prefetcher:
     Use as a context manager (or call start/close). A failure in the worker is re-raised by `get`.
     """
 
-    def __init__(
-        self, dataset: ChatDataset, batches: Iterable[PlannedBatch], depth: int, poll_s: float = 0.1
-    ):
+    def __init__(self, dataset: ChatDataset, batches: Iterable[PlannedBatch], depth: int, poll_s: float = 0.1):
         self.dataset = dataset
         self.batches = batches
         self.poll_s = poll_s

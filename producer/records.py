@@ -66,9 +66,7 @@ def open_records(path: str | Path, columns: tuple[str, ...], max_record_bytes: i
     """
     path = Path(path)
     if path.is_dir():
-        raise DataError(
-            f"{path}: is a directory, not a data file; name a .jsonl, .parquet or .arrow file inside it"
-        )
+        raise DataError(f"{path}: is a directory, not a data file; name a .jsonl, .parquet or .arrow file inside it")
     if not path.is_file():
         raise DataError(f"{path}: data file does not exist")
     if path.stat().st_size == 0:
@@ -99,7 +97,6 @@ def json_record(raw: bytes) -> dict:
 
 
 class JsonlRecords:
-
     def __init__(self, path: Path, max_record_bytes: int | None = None):
         self.path = path
         self.max_record_bytes = max_record_bytes
@@ -116,8 +113,10 @@ class JsonlRecords:
                 if limit is not None and size > limit and not raw.endswith(b"\n"):
                     del raw  # the rest of the line is skipped in chunks: memory stays at the limit
                     size += _skip_line(f)
-                    yield line_no, offset, RecordError(
-                        "too_large", f"the line has {size} bytes, over data.max_record_bytes = {limit}"
+                    yield (
+                        line_no,
+                        offset,
+                        RecordError("too_large", f"the line has {size} bytes, over data.max_record_bytes = {limit}"),
                     )
                 else:
                     try:
@@ -209,7 +208,6 @@ def _present_columns(path: Path, names: list[str], wanted: tuple[str, ...]) -> l
 class ParquetRecords:
     """A Parquet file: streamed in record batches; random access decodes (and caches) one row group."""
 
-
     def __init__(self, path: Path, columns: tuple[str, ...]):
         import pyarrow.parquet as pq
 
@@ -262,7 +260,6 @@ class ParquetReader:
 
 class ArrowRecords:
     """An Arrow IPC file or stream (a `datasets` cache or `save_to_disk` shard), memory-mapped."""
-
 
     def __init__(self, path: Path, columns: tuple[str, ...]):
         self.path = path

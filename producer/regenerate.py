@@ -84,13 +84,9 @@ def completed_lines(out_path: Path) -> set[int]:
         try:
             done.add(int(json.loads(line)["prompt_line"]))
         except (ValueError, KeyError, TypeError):
-            raise DataError(
-                f"{out_path}: an existing line is not a regenerated record; refusing to append"
-            ) from None
+            raise DataError(f"{out_path}: an existing line is not a regenerated record; refusing to append") from None
     if keep < len(data):
-        log.warning(
-            "%s: dropping a truncated last line (%d bytes) before resuming", out_path, len(data) - keep
-        )
+        log.warning("%s: dropping a truncated last line (%d bytes) before resuming", out_path, len(data) - keep)
         with out_path.open("r+b") as f:
             f.truncate(keep)
     return done
@@ -223,7 +219,6 @@ def _generate(
     return answers
 
 
-
 def regenerate_server(
     prompts_path: str | Path,
     out_jsonl: str | Path,
@@ -270,21 +265,29 @@ def main(argv: list[str] | None = None) -> int:
     engine = p.add_mutually_exclusive_group(required=True)
     engine.add_argument("--target", help="local HF model directory: generate in this process")
     engine.add_argument("--server", help="OpenAI-compatible API base, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--prompts", required=True, help="chat data (.jsonl, .parquet, .arrow); a last assistant turn is dropped")
+    p.add_argument(
+        "--prompts", required=True, help="chat data (.jsonl, .parquet, .arrow); a last assistant turn is dropped"
+    )
     p.add_argument("--format", choices=["chat", "prompt_response"], default="chat")
     p.add_argument("--out", required=True, help="chat JSONL to append to (resumes if it exists)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat-template-kwargs", default="{}",
-                   help='JSON, e.g. \'{"enable_thinking": false}\'; use the job\'s data.chat_template_kwargs')
+    p.add_argument(
+        "--chat-template-kwargs",
+        default="{}",
+        help="JSON, e.g. '{\"enable_thinking\": false}'; use the job's data.chat_template_kwargs",
+    )
     local = p.add_argument_group("local generation (--target)")
     local.add_argument("--batch-size", type=int, default=8)
     local.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     local.add_argument("--device", default="cpu")
-    local.add_argument("--attn-implementation", default="auto",
-                       help="auto (default): sdpa where the model supports it, else eager; or name one")
+    local.add_argument(
+        "--attn-implementation",
+        default="auto",
+        help="auto (default): sdpa where the model supports it, else eager; or name one",
+    )
     server = p.add_argument_group("server (--server)")
     server.add_argument("--model", help="model name to request (default: the one the server lists)")
     server.add_argument("--concurrency", type=int, default=8, help="requests in flight")
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--retries", type=int, default=5, help="retries of a failed request (with backoff)")
     server.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (doubles)")
     server.add_argument("--progress-interval", type=float, default=10.0, help="seconds between progress lines")
-    server.add_argument("--extra-body", default="{}", help='JSON merged into every request, e.g. \'{"top_k": 20}\'')
+    server.add_argument("--extra-body", default="{}", help="JSON merged into every request, e.g. '{\"top_k\": 20}'")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
@@ -300,38 +303,66 @@ def main(argv: list[str] | None = None) -> int:
         template_kwargs = _json_arg(args.chat_template_kwargs, "--chat-template-kwargs")
         if args.server:
             opts = ServerOptions(
-                url=args.server, model=args.model, concurrency=args.concurrency, timeout_s=args.timeout,
-                retries=args.retries, backoff_s=args.backoff, progress_s=args.progress_interval,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                chat_template_kwargs=template_kwargs, extra_body=_json_arg(args.extra_body, "--extra-body"),
+                url=args.server,
+                model=args.model,
+                concurrency=args.concurrency,
+                timeout_s=args.timeout,
+                retries=args.retries,
+                backoff_s=args.backoff,
+                progress_s=args.progress_interval,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                chat_template_kwargs=template_kwargs,
+                extra_body=_json_arg(args.extra_body, "--extra-body"),
             )
             sstats = regenerate_server(args.prompts, args.out, opts, args.format)
         else:
             stats = regenerate(
-                args.target, args.prompts, args.out, batch_size=args.batch_size,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                seed=args.seed, dtype=args.dtype, device=args.device, attn_implementation=args.attn_implementation,
-                chat_template_kwargs=template_kwargs, fmt=args.format,
+                args.target,
+                args.prompts,
+                args.out,
+                batch_size=args.batch_size,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                dtype=args.dtype,
+                device=args.device,
+                attn_implementation=args.attn_implementation,
+                chat_template_kwargs=template_kwargs,
+                fmt=args.format,
             )
     except ServerError as err:
-        print(f"producer regenerate: {err}; the records written so far are kept: rerun the same command to"
-              " resume", file=sys.stderr)
+        print(
+            f"producer regenerate: {err}; the records written so far are kept: rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
-        print("producer regenerate: interrupted; the records written so far are kept: rerun the same command to"
-              " resume", file=sys.stderr)
+        print(
+            "producer regenerate: interrupted; the records written so far are kept: rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 130
     except (DataError, TargetLoadError) as err:
         print(f"producer regenerate: {err}", file=sys.stderr)
         return 2
     if args.server:
-        print(f"regenerate: done, {sstats.written} written, {sstats.already_done} already present,"
-              f" {len(sstats.failed)} failed, {sstats.records} records in {args.prompts}", flush=True)
+        print(
+            f"regenerate: done, {sstats.written} written, {sstats.already_done} already present,"
+            f" {len(sstats.failed)} failed, {sstats.records} records in {args.prompts}",
+            flush=True,
+        )
         if sstats.failed:
             for where, reason in sstats.failed:
                 print(f"producer regenerate: {where}: failed: {reason}", file=sys.stderr)
-            print(f"producer regenerate: {len(sstats.failed)} record(s) failed (listed above) and were not"
-                  " written; rerun the same command to retry them", file=sys.stderr)
+            print(
+                f"producer regenerate: {len(sstats.failed)} record(s) failed (listed above) and were not"
+                " written; rerun the same command to retry them",
+                file=sys.stderr,
+            )
             return 1
         return 0
     print(

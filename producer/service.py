@@ -56,9 +56,12 @@ def create_ring(job: JobConfig, replica: int, ring_name: str, feature_width: int
     """The ring of target replica `replica`, on its first device, sized for the job's largest batch. The
     producer makes it before the target loads: a CUDA ring must be the first allocation on its GPU, alone in
     its allocator segment (common/ring_cuda.py), which a loaded target's cached blocks can prevent."""
-    slot_bytes = job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, feature_width, feature_dtype)
-    return SlotRing.create(job.transport_kind, job.transport.slots, slot_bytes, name=ring_name,
-                           device=job.target.devices_of(replica)[0])
+    slot_bytes = job.transport.slot_bytes or required_slot_bytes(
+        job.data.tokens_per_batch, feature_width, feature_dtype
+    )
+    return SlotRing.create(
+        job.transport_kind, job.transport.slots, slot_bytes, name=ring_name, device=job.target.devices_of(replica)[0]
+    )
 
 
 class ProducerService:
@@ -105,20 +108,32 @@ class ProducerService:
         need = required_slot_bytes(job.data.tokens_per_batch, target.feature_width, self.feature_dtype)
         try:
             if self.ring.slot_bytes < need:
-                raise RingError(f"the ring's slots hold {self.ring.slot_bytes} bytes, the loaded target's largest"
-                                f" batch needs {need} ({target.feature_width} {self.feature_dtype} features per token)")
+                raise RingError(
+                    f"the ring's slots hold {self.ring.slot_bytes} bytes, the loaded target's largest"
+                    f" batch needs {need} ({target.feature_width} {self.feature_dtype} features per token)"
+                )
             private_dir(job.run_paths.sockets)  # whoever can write there can talk to us: this user alone
             curve = server_curve(job.run_paths) if t.use_curve else None
         except BaseException:
             self.ring.close()
             raise
         self.table = SlotTable(job.transport.slots)
-        self.delivery = Delivery([d.name for d in job.drafters], total_batches, job.transport.on_dead_group,
-                                 stride=job.target.replicas, offset=replica)
+        self.delivery = Delivery(
+            [d.name for d in job.drafters],
+            total_batches,
+            job.transport.on_dead_group,
+            stride=job.target.replicas,
+            offset=replica,
+        )
         try:
-            self.channel = ProducerChannel(job.run_paths.ipc(job.run_paths.control_socket(replica)) if t.endpoint == "ipc" else
-                                           f"tcp://{t.tcp_host}:{t.tcp_port or '*'}",
-                                           t.heartbeat_interval_s, t.heartbeat_timeout_s, curve=curve)
+            self.channel = ProducerChannel(
+                job.run_paths.ipc(job.run_paths.control_socket(replica))
+                if t.endpoint == "ipc"
+                else f"tcp://{t.tcp_host}:{t.tcp_port or '*'}",
+                t.heartbeat_interval_s,
+                t.heartbeat_timeout_s,
+                curve=curve,
+            )
         except BaseException:
             self.ring.close()  # a producer that cannot listen must not leave its ring in /dev/shm
             raise
@@ -133,8 +148,14 @@ class ProducerService:
         self._val_batches = self.held_out.packed() if self.held_out else []  # the same every pass
         self._val_done: dict[str, int] = {}  # per drafter: the passes its group had (or resumed past)
         self._val_seq = -1  # validation batches take seqs -2, -3, ... (slot tags; -1 marks a slot being written)
-        log.info("ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
-                 job.transport_kind, t.slots, self.ring.slot_bytes / 2**20, self.channel.endpoint, total_batches)
+        log.info(
+            "ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
+            job.transport_kind,
+            t.slots,
+            self.ring.slot_bytes / 2**20,
+            self.channel.endpoint,
+            total_batches,
+        )
 
     # ------------------------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -162,7 +183,9 @@ class ProducerService:
                 self._publish(slot, batch, layout)
                 self._end_startup()
                 if self.stats:
-                    self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
+                    self.stats.maybe_publish(
+                        step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use}
+                    )
             status = self._finish()
             return 1 if self._abandoned else status
         finally:
@@ -187,7 +210,9 @@ class ProducerService:
         with timed(self.prof, "data"):
             batch = next(self._stream)
         if batch.seq != seq:
-            raise RuntimeError(f"batch stream gave seq {batch.seq}, expected {seq}: the batch plan is not deterministic")
+            raise RuntimeError(
+                f"batch stream gave seq {batch.seq}, expected {seq}: the batch plan is not deterministic"
+            )
         self._stream_next = seq + self.delivery.stride
         return batch
 
@@ -212,10 +237,23 @@ class ProducerService:
         num_loss = int(batch.loss_mask.sum()) if batch.loss_mask.device.type == "cpu" else -1
         wire = layout_to_wire(layout)
         if self.ledger:  # on disk before any consumer can train it: a SIGKILL after the send loses no record
-            self.ledger.delivered(batch.seq, batch.epoch, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in members])
+            self.ledger.delivered(
+                batch.seq, batch.epoch, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in members]
+            )
         for m in members:
-            self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, batch.epoch, wire,
-                                            list(batch.sample_ids), int(batch.input_ids.shape[0]), num_loss))
+            self.channel.send(
+                m.peer,
+                Batch(
+                    m.epoch,
+                    batch.seq,
+                    slot,
+                    batch.epoch,
+                    wire,
+                    list(batch.sample_ids),
+                    int(batch.input_ids.shape[0]),
+                    num_loss,
+                ),
+            )
         self.table.publish(slot, batch.seq, [m.peer for m in members])
         self.channel.last_seq = batch.seq
         self.counters.batches += 1
@@ -283,8 +321,22 @@ class ProducerService:
                 self.ledger.validated(k, i, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in live])
             wire, T = layout_to_wire(layout), batch.num_tokens
             for m in live:
-                self.channel.send(m.peer, Batch(m.epoch, batch.seq, slot, 0, wire, list(batch.sample_ids), T,
-                                                int(batch.loss_mask.sum()), k, i, count))
+                self.channel.send(
+                    m.peer,
+                    Batch(
+                        m.epoch,
+                        batch.seq,
+                        slot,
+                        0,
+                        wire,
+                        list(batch.sample_ids),
+                        T,
+                        int(batch.loss_mask.sum()),
+                        k,
+                        i,
+                        count,
+                    ),
+                )
             self.table.publish(slot, batch.seq, [m.peer for m in live])
             self.counters.val_batches += 1
             tokens += T
@@ -294,8 +346,9 @@ class ProducerService:
         elapsed = time.perf_counter() - start
         if self.prof:
             self.prof.add("validation", elapsed)
-        log.info("validation pass %d for %s: %d batches, %d tokens in %.2f s", k, ", ".join(drafters), count, tokens,
-                 elapsed)
+        log.info(
+            "validation pass %d for %s: %d batches, %d tokens in %.2f s", k, ", ".join(drafters), count, tokens, elapsed
+        )
 
     # ------------------------------------------------------------------------------------ messages
     def _handle_messages(self, timeout_s: float) -> None:
@@ -322,18 +375,29 @@ class ProducerService:
                 self._stale(peer, msg)
             else:
                 group = self.delivery.groups[member.drafter]
-                log.info("%s.r%d (pid %d) attached; its group resumes at seq %s", member.drafter, member.replica,
-                         member.pid, group.cursor)
+                log.info(
+                    "%s.r%d (pid %d) attached; its group resumes at seq %s",
+                    member.drafter,
+                    member.replica,
+                    member.pid,
+                    group.cursor,
+                )
                 if self.held_out and len(group.live()) == 1:
                     # the group (re)formed: passes due below its cursor were had; one due at the cursor itself may
                     # not have been evaluated (a consumer stalled or restarted right after its boundary): again
-                    self._val_done[member.drafter] = self.held_out.passes_at(max(group.cursor - 1, 0),
-                                                                             self.delivery.total_batches)
+                    self._val_done[member.drafter] = self.held_out.passes_at(
+                        max(group.cursor - 1, 0), self.delivery.total_batches
+                    )
                 if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
-                    log.warning("%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
-                                " checkpoint trained more epochs than the job now asks for; nothing is left to train"
-                                " for it", member.drafter, member.resume_seq, self.delivery.total_batches,
-                                self.job.data.epochs)
+                    log.warning(
+                        "%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
+                        " checkpoint trained more epochs than the job now asks for; nothing is left to train"
+                        " for it",
+                        member.drafter,
+                        member.resume_seq,
+                        self.delivery.total_batches,
+                        self.job.data.epochs,
+                    )
         elif isinstance(msg, Release):
             if self.delivery.member(peer, msg.epoch) is None:
                 self._stale(peer, msg)
@@ -345,8 +409,13 @@ class ProducerService:
             self.table.reclaim(peer)
             self.channel.forget(peer)
             if member:
-                log.info("%s.r%d said bye (%s, trained through seq %d)", member.drafter, member.replica,
-                         msg.reason, msg.trained_seq)
+                log.info(
+                    "%s.r%d said bye (%s, trained through seq %d)",
+                    member.drafter,
+                    member.replica,
+                    msg.reason,
+                    msg.trained_seq,
+                )
         elif isinstance(msg, Fail):
             log.error("consumer %r failed: %s", peer, msg.reason)
             self._fence(peer, f"reported failure: {msg.reason}")
@@ -356,8 +425,10 @@ class ProducerService:
     def _hello_problem(self, msg: Hello) -> str | None:
         """Why a HELLO does not belong to this job's node and launch; None when it does."""
         if msg.launch != self.launch_id:
-            return (f"launch {msg.launch or '(none)'} is not this producer's launch {self.launch_id or '(none)'}:"
-                    " another launch of the same job?")
+            return (
+                f"launch {msg.launch or '(none)'} is not this producer's launch {self.launch_id or '(none)'}:"
+                " another launch of the same job?"
+            )
         if msg.node != self.node:
             return f"node {msg.node}: this producer serves node {self.node}"
         drafter = next((d for d in self.job.drafters if d.name == msg.drafter), None)
@@ -383,8 +454,19 @@ class ProducerService:
         t = self.job.transport
         # a CUDA export must be opened exactly once: a process that holds the ring gets none
         handle = {} if msg.ring_attached else self.ring.handle()
-        self.channel.send(peer, Welcome(member.epoch, self.ring.kind, self.ring.num_slots, self.ring.slot_bytes,
-                                        handle, t.heartbeat_interval_s, t.heartbeat_timeout_s, self.launch_id))
+        self.channel.send(
+            peer,
+            Welcome(
+                member.epoch,
+                self.ring.kind,
+                self.ring.num_slots,
+                self.ring.slot_bytes,
+                handle,
+                t.heartbeat_interval_s,
+                t.heartbeat_timeout_s,
+                self.launch_id,
+            ),
+        )
 
     def _fence(self, peer: bytes, reason: str) -> None:
         member = self.delivery.leave(peer)
@@ -394,8 +476,14 @@ class ProducerService:
             self.counters.fenced += 1
             if self.prof:
                 self.prof.count("fenced")
-            log.warning("fenced %s.r%d (pid %d): %s; reclaimed slots %s", member.drafter, member.replica,
-                        member.pid, reason, freed)
+            log.warning(
+                "fenced %s.r%d (pid %d): %s; reclaimed slots %s",
+                member.drafter,
+                member.replica,
+                member.pid,
+                reason,
+                freed,
+            )
 
     def _stale(self, peer: bytes, msg: object) -> None:
         """A message from a session we no longer know (fenced, replaced): ignore it, tell the sender."""
@@ -418,12 +506,19 @@ class ProducerService:
         now, timeout = time.monotonic(), self.job.transport.attach_timeout_s
         if self._unattended_since is None:
             self._unattended_since = now
-            log.warning("no consumer attached for unfinished drafter(s) %s; waiting up to %.0f s"
-                        " (transport.attach_timeout_s) for one to come back", unfinished, timeout)
+            log.warning(
+                "no consumer attached for unfinished drafter(s) %s; waiting up to %.0f s"
+                " (transport.attach_timeout_s) for one to come back",
+                unfinished,
+                timeout,
+            )
         if now - self._unattended_since <= timeout:
             return False
-        log.error("no consumer of drafter(s) %s came back within %.0f s: ending the job without their remaining"
-                  " batches", unfinished, timeout)
+        log.error(
+            "no consumer of drafter(s) %s came back within %.0f s: ending the job without their remaining batches",
+            unfinished,
+            timeout,
+        )
         self._abandoned = unfinished
         return True
 
@@ -441,8 +536,11 @@ class ProducerService:
                 if self.job.transport.on_dead_group == "skip" and len(missing) < len(self.delivery.groups):
                     log.warning("starting without drafter group(s) %s (on_dead_group = skip)", missing)
                     return True
-                log.error("no consumer attached for drafter(s) %s within transport.attach_timeout_s = %.0f s",
-                          missing, self.job.transport.attach_timeout_s)
+                log.error(
+                    "no consumer attached for drafter(s) %s within transport.attach_timeout_s = %.0f s",
+                    missing,
+                    self.job.transport.attach_timeout_s,
+                )
                 return False
             if now - last_note > 10:
                 log.info("waiting for consumers of %s", missing)
@@ -466,10 +564,20 @@ class ProducerService:
         while self.delivery.by_peer and time.monotonic() < deadline:
             self._handle_messages(timeout_s=POLL_S)
         if self.delivery.by_peer:
-            log.warning("consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace)
-        log.info("producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases,"
-                 " %d rejected HELLOs", reason, self.counters.batches, self.counters.tokens, self.counters.fenced,
-                 self.counters.stale_messages, self.table.stale_releases, self.counters.rejected_hellos)
+            log.warning(
+                "consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace
+            )
+        log.info(
+            "producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases,"
+            " %d rejected HELLOs",
+            reason,
+            self.counters.batches,
+            self.counters.tokens,
+            self.counters.fenced,
+            self.counters.stale_messages,
+            self.table.stale_releases,
+            self.counters.rejected_hellos,
+        )
         return 0
 
     def close(self) -> None:

@@ -84,7 +84,7 @@ def choose_attn_implementation(
     if requested not in supported:
         raise TargetLoadError(
             f"{model_cls.__name__} does not support attn_implementation {requested!r}; it supports"
-            f" {supported} (or set target.attn_implementation = \"auto\")"
+            f' {supported} (or set target.attn_implementation = "auto")'
         )
     return requested
 
@@ -139,11 +139,23 @@ def load_target(
     except TargetLoadError:
         raise
     except Exception as err:
-        raise TargetLoadError(f"{path}: the {arch} target ({model_cls.__name__}) failed to load: {_what(err, attn)}") from err
+        raise TargetLoadError(
+            f"{path}: the {arch} target ({model_cls.__name__}) failed to load: {_what(err, attn)}"
+        ) from err
 
 
-def _load(path: Path, config: PretrainedConfig, text: PretrainedConfig, model_cls: type, ids: list[int],
-          n_layers: int, dtype: str, device: str, attn: str, distributed_config: DistributedConfig | None) -> TargetCapture:
+def _load(
+    path: Path,
+    config: PretrainedConfig,
+    text: PretrainedConfig,
+    model_cls: type,
+    ids: list[int],
+    n_layers: int,
+    dtype: str,
+    device: str,
+    attn: str,
+    distributed_config: DistributedConfig | None,
+) -> TargetCapture:
     keep = max(ids) + 1
     key_mapping = decoder_key_mapping(path, config, model_cls)  # a wrapper's `language_model.model.*` names
     # The skipped layers' weights are "unexpected" by design; the report about them is silenced and any
@@ -226,7 +238,7 @@ def _what(err: Exception, attn: str) -> str:
     if isinstance(err, KeyError) and err.args and err.args[0] in packed_attention.NAMES:
         return (
             f"its code looks up the attention implementation {err.args[0]!r} in a table of its own that lacks it;"
-            " set target.attn_implementation = \"sdpa\" or \"eager\""
+            ' set target.attn_implementation = "sdpa" or "eager"'
         )
     return f"{type(err).__name__}: {err} (attention implementation {attn!r})"
 

@@ -22,8 +22,9 @@ def load_tokenizer(path: str | Path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer for the local directory `path` (kwargs passed on); DataError naming the path when none."""
     path = Path(path)
     if not path.is_dir():
-        raise DataError(f"{path}: tokenizer directory does not exist; set data.tokenizer to one that holds the"
-                        " target's tokenizer")
+        raise DataError(
+            f"{path}: tokenizer directory does not exist; set data.tokenizer to one that holds the target's tokenizer"
+        )
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise DataError(
             f"{path}: no tokenizer found (looked for {', '.join(TOKENIZER_FILES)}); copy the target's tokenizer"

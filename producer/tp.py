@@ -64,15 +64,19 @@ def ep_shard(model: torch.nn.Module, target: TargetConfig) -> str:
             continue
         whole = isinstance(param, DTensor) and any(isinstance(p, Shard) and p.dim == 0 for p in param.placements)
         if not whole:
-            raise TPSetupError(f"target.ep_size = {target.ep_size}: transformers did not shard {name} by expert"
-                               f" ({type(param).__name__} {tuple(param.shape)}); {target.path}'s expert-parallel"
-                               " plan does not cover it")
+            raise TPSetupError(
+                f"target.ep_size = {target.ep_size}: transformers did not shard {name} by expert"
+                f" ({type(param).__name__} {tuple(param.shape)}); {target.path}'s expert-parallel"
+                " plan does not cover it"
+            )
         local += param.to_local().numel()
         full += param.numel()
         first = first or f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)}"
     if first is None:
-        raise TPSetupError(f"target.ep_size = {target.ep_size}: {target.path} has no expert weights"
-                           " (no parameter under an `experts` module)")
+        raise TPSetupError(
+            f"target.ep_size = {target.ep_size}: {target.path} has no expert weights"
+            " (no parameter under an `experts` module)"
+        )
     return f"expert parallel: {first}; {100 * local / full:.1f} % of the expert weights on this rank"
 
 
@@ -91,8 +95,10 @@ class TPRank:
         """This process's place in its group, from torchrun's variables (common/launch_plan.py sets them)."""
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
         if missing:
-            raise TPSetupError(f"target.tp_size = {tp_size} but ${missing[0]} is not set: a tensor-parallel"
-                               " producer is started by launch.sh or the systemd units with its group's variables")
+            raise TPSetupError(
+                f"target.tp_size = {tp_size} but ${missing[0]} is not set: a tensor-parallel"
+                " producer is started by launch.sh or the systemd units with its group's variables"
+            )
         try:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -118,8 +124,10 @@ def init_group(device: str, control_timeout_s: float) -> TPGroup:
     transformers does."""
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-    return TPGroup(dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s)),
-                   dist.new_group(backend="gloo", timeout=timedelta(seconds=LOAD_TIMEOUT_S)))
+    return TPGroup(
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s)),
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=LOAD_TIMEOUT_S)),
+    )
 
 
 def _send(control: dist.ProcessGroup, cmd: int, payload: torch.Tensor | None = None, cu_len: int = 0) -> None:

@@ -44,8 +44,10 @@ def split_held_out(num_samples: int, fraction: float, seed: int) -> np.ndarray:
     """The held-out sample ids (sorted) of a split by record: round(fraction · num_samples), at least 1."""
     count = max(1, round(fraction * num_samples))
     if count >= num_samples:
-        raise DataError(f"data.validation = {fraction} of {num_samples} usable record(s) holds out {count}:"
-                        " nothing is left to train on; lower the fraction or add data")
+        raise DataError(
+            f"data.validation = {fraction} of {num_samples} usable record(s) holds out {count}:"
+            " nothing is left to train on; lower the fraction or add data"
+        )
     perm = np.random.default_rng([seed, VALIDATION_STREAM]).permutation(num_samples)
     return np.sort(perm[:count])
 
@@ -114,10 +116,17 @@ class HeldOut:
         if self.source == "file":
             path = self.dataset.path
             file = {"path": str(path.resolve()), "bytes": path.stat().st_size, "xxh3_128": file_digest(path)}
-        return {"source": self.source, "file": file, "held_out": len(self.held_out), "held_out_digest": sample_digest(self.held_out),
-                "held_out_ids": [int(i) for i in self.held_out] if self.source == "split" else None,
-                "samples": len(ids), "digest": sample_digest(ids), "batches": len(self.batches),
-                "eval_every": self.eval_every}
+        return {
+            "source": self.source,
+            "file": file,
+            "held_out": len(self.held_out),
+            "held_out_digest": sample_digest(self.held_out),
+            "held_out_ids": [int(i) for i in self.held_out] if self.source == "split" else None,
+            "samples": len(ids),
+            "digest": sample_digest(ids),
+            "batches": len(self.batches),
+            "eval_every": self.eval_every,
+        }
 
     def passes_at(self, cursor: int, total_batches: int) -> int:
         """How many passes are due once a drafter's cursor reached `cursor`: pass k at min(k · eval_every,
@@ -137,9 +146,17 @@ class HeldOut:
             reader.close()
 
 
-def held_out_set(*, validation: str | float | None, eval_every: int, max_records: int, seed: int,
-                 tokens_per_batch: int, dataset: ChatDataset, encoder: ChatEncoder,
-                 limits: RecordLimits | None = None) -> HeldOut | None:
+def held_out_set(
+    *,
+    validation: str | float | None,
+    eval_every: int,
+    max_records: int,
+    seed: int,
+    tokens_per_batch: int,
+    dataset: ChatDataset,
+    encoder: ChatEncoder,
+    limits: RecordLimits | None = None,
+) -> HeldOut | None:
     """The job's held-out records (None without data.validation); a DataError names a bad file."""
     if validation is None:
         return None
@@ -149,11 +166,15 @@ def held_out_set(*, validation: str | float | None, eval_every: int, max_records
         data = dataset
     else:
         if not Path(validation).is_file():
-            raise DataError(f"data.validation: {validation} is not a file (a record file in the training data's"
-                            " format, or a fraction in (0, 0.5])")
+            raise DataError(
+                f"data.validation: {validation} is not a file (a record file in the training data's"
+                " format, or a fraction in (0, 0.5])"
+            )
         if dataset.path.exists() and Path(validation).resolve() == dataset.path.resolve():
-            raise DataError(f"data.validation: {validation} is the training data itself; hold out part of it with a"
-                            " fraction (data.validation = 0.02) or name another file")
+            raise DataError(
+                f"data.validation: {validation} is the training data itself; hold out part of it with a"
+                " fraction (data.validation = 0.02) or name another file"
+            )
         source, data = "file", ChatDataset(validation, dataset.format, encoder, limits)
         held = np.arange(len(data), dtype=np.int64)
     ids = pass_ids(held, max_records, seed)
@@ -164,12 +185,23 @@ def held_out_set(*, validation: str | float | None, eval_every: int, max_records
 def job_held_out(job, dataset: ChatDataset) -> HeldOut | None:
     """`held_out_set` for a job (common.config.JobConfig) whose training data is `dataset`."""
     d = job.data
-    held = held_out_set(validation=d.validation, eval_every=d.eval_every, max_records=d.validation_max_records,
-                        seed=job.job.seed, tokens_per_batch=d.tokens_per_batch, dataset=dataset,
-                        encoder=dataset.encoder, limits=dataset.limits)
+    held = held_out_set(
+        validation=d.validation,
+        eval_every=d.eval_every,
+        max_records=d.validation_max_records,
+        seed=job.job.seed,
+        tokens_per_batch=d.tokens_per_batch,
+        dataset=dataset,
+        encoder=dataset.encoder,
+        limits=dataset.limits,
+    )
     if held is not None:
-        log.info("validation: %d records held out (%s), a pass evaluates %d of them in %d batches %s", len(held.held_out),
-                 f"{d.validation} of {dataset.path}" if held.source == "split" else str(held.dataset.path),
-                 len(held.pass_samples), len(held.batches),
-                 f"after every {d.eval_every} training batches and at the end" if d.eval_every else "(eval_every = 0: none)")
+        log.info(
+            "validation: %d records held out (%s), a pass evaluates %d of them in %d batches %s",
+            len(held.held_out),
+            f"{d.validation} of {dataset.path}" if held.source == "split" else str(held.dataset.path),
+            len(held.pass_samples),
+            len(held.batches),
+            f"after every {d.eval_every} training batches and at the end" if d.eval_every else "(eval_every = 0: none)",
+        )
     return held

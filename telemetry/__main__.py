@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
+
         def on_signal(signum, _frame):
             log.info("%s: flushing the last window", stop_reason(signum))
             stop.set()

@@ -145,18 +145,26 @@ class Aggregator:
         """Room for one more source: below the cap, or by evicting the longest-silent one that is not live."""
         if len(self.sources) < self.max_sources:
             return True
-        quiet = [(st.last_seen, name) for name, st in self.sources.items()
-                 if st.last.final or now - st.last_seen > self.stale_after_s]
+        quiet = [
+            (st.last_seen, name)
+            for name, st in self.sources.items()
+            if st.last.final or now - st.last_seen > self.stale_after_s
+        ]
         if quiet:
             del self.sources[min(quiet)[1]]
             self.evicted += 1
             return True
         self.refused += 1
         if self.refused == 1 or self.refused % 10_000 == 0:
-            self.log.warning("telemetry keeps at most %d sources (MAX_SOURCES, telemetry/aggregate.py), all live:"
-                             " messages of new source %r refused (%d so far); a source is forgotten after %.0f s"
-                             " of silence", self.max_sources, source, self.refused,
-                             FORGET_AFTER_STALE * self.stale_after_s)
+            self.log.warning(
+                "telemetry keeps at most %d sources (MAX_SOURCES, telemetry/aggregate.py), all live:"
+                " messages of new source %r refused (%d so far); a source is forgotten after %.0f s"
+                " of silence",
+                self.max_sources,
+                source,
+                self.refused,
+                FORGET_AFTER_STALE * self.stale_after_s,
+            )
         return False
 
     def forget_silent(self, now: float) -> int:
@@ -209,9 +217,7 @@ class Aggregator:
             if p.role == "consumer" and m and w.span_s > 0:
                 drafters.setdefault(m["drafter"], []).append(figures.get("tokens_per_s", 0.0))
             st.window = _Window()
-        producer_rates = [
-            v for k, v in metrics.items() if k.startswith("producer") and k.endswith("/tokens_per_s")
-        ]
+        producer_rates = [v for k, v in metrics.items() if k.startswith("producer") and k.endswith("/tokens_per_s")]
         if producer_rates:
             metrics["pipeline/tokens_per_s"] = sum(producer_rates)
             metrics["pipeline/producers_reporting"] = float(len(producer_rates))

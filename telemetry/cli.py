@@ -129,8 +129,9 @@ def _scalars(v: Any, key: str) -> dict[str, Any]:
     for k, x in _table(v, key, dict).items():
         if not isinstance(k, str):
             raise MalformedWindow(f"{key} has a {type(k).__name__} key")
-        out[k[:MAX_TEXT]] = x if isinstance(x, bool) else _text(x, f"{key}.{k}") if isinstance(x, str) \
-            else _number(x, f"{key}.{k}")
+        out[k[:MAX_TEXT]] = (
+            x if isinstance(x, bool) else _text(x, f"{key}.{k}") if isinstance(x, str) else _number(x, f"{key}.{k}")
+        )
     return out
 
 
@@ -152,8 +153,10 @@ def view(doc: Any) -> dict[str, Any]:
         "processes": [_process(s, metrics) for s in _table(doc.get("sources"), "sources", list)],
         "gpus": [_record(g, "gpus[]", GPU_TEXT, GPU_INTS, GPU_NUMBERS) for g in _table(doc.get("gpus"), "gpus", list)],
         "ring": _record(doc.get("ring"), "ring", (), ("slots_total",), ("slots_in_use",)),
-        "pipeline": {key: _number(metrics.get(f"pipeline/{key}"), f"metrics.pipeline/{key}")
-                     for key in ("tokens_per_s", "producers_reporting", "producer_balance")},
+        "pipeline": {
+            key: _number(metrics.get(f"pipeline/{key}"), f"metrics.pipeline/{key}")
+            for key in ("tokens_per_s", "producers_reporting", "producer_balance")
+        },
         "health": _scalars(doc.get("health"), "health"),
     }
 
@@ -298,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--json", action="store_true", help="print one JSON document and exit")
     mode.add_argument("--plot", action="store_true",
                       help="write RUN_DIR/plots/*.png (loss, τ, tokens/s; acceptance histogram) and exit")  # fmt: skip
-    parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds to wait for data (default 2× window)"
-    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for data (default 2× window)")
     args = parser.parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C or a SIGTERM ends the view cleanly, even when started with SIGINT ignored (a background job of
@@ -332,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = receiver.receive(timeout_s)
         if receiver.malformed:
-            print(f"dflash-stats: skipped {receiver.malformed} malformed window(s) (last: {receiver.last_fault})",
-                  file=sys.stderr)
+            print(
+                f"dflash-stats: skipped {receiver.malformed} malformed window(s) (last: {receiver.last_fault})",
+                file=sys.stderr,
+            )
         if state is None:
             print(f"dflash-stats: nothing published on {paths.ipc(REPUBLISH_SOCKET)} within {timeout_s:.1f} s"
                   " (telemetry not running or stuck)", file=sys.stderr)  # fmt: skip
@@ -366,9 +369,13 @@ def _live(receiver: Receiver, state: dict[str, Any], timeout_s: float) -> int:
     if not sys.stdout.isatty():
         try:
             while True:
-                print(plain_line(state) if state is not None else
-                      f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} no window within"
-                      f" {timeout_s:.1f} s (telemetry not running or stuck)", flush=True)
+                print(
+                    plain_line(state)
+                    if state is not None
+                    else f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} no window within"
+                    f" {timeout_s:.1f} s (telemetry not running or stuck)",
+                    flush=True,
+                )
                 state = receiver.receive(timeout_s)
         except BrokenPipeError:  # the reader went away (| head): not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit

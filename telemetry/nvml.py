@@ -143,8 +143,11 @@ class NvmlSampler:
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
-            self.log.error("NVML: thread(s) %s did not stop within %.1f s (a hung driver call?); NVML left"
-                           " initialised", stuck, timeout_s)
+            self.log.error(
+                "NVML: thread(s) %s did not stop within %.1f s (a hung driver call?); NVML left initialised",
+                stuck,
+                timeout_s,
+            )
             return False
         if self.available:
             try:
@@ -167,9 +170,7 @@ class NvmlSampler:
                     values.update({k: float(v) for k, v in read(dev.handle).items()})
                 except self.nv.NVMLError_NotSupported:
                     dev.unsupported.add(field)
-                    self.log.info(
-                        "NVML: %s not supported on GPU %d (%s); no longer polled", field, dev.index, dev.uuid
-                    )
+                    self.log.info("NVML: %s not supported on GPU %d (%s); no longer polled", field, dev.index, dev.uuid)
                 except self.nv.NVMLError_GpuIsLost:
                     dev.lost = True
                     self.log.error("NVML: GPU %d (%s) is lost", dev.index, dev.uuid)

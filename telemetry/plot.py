@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CONSUMER_METRIC = re.compile(
-    r"^consumer/(?P<name>[^/]+)/(?P<key>loss|tau_est|tokens_per_s|step|val_loss|val_tau_est|val_step)$")
+    r"^consumer/(?P<name>[^/]+)/(?P<key>loss|tau_est|tokens_per_s|step|val_loss|val_tau_est|val_step)$"
+)
 
 
 class PlotError(Exception):
@@ -111,8 +112,14 @@ def plot_training(metrics_path: Path, out: Path) -> Path:
                 (line,) = ax.plot(*zip(*points, strict=True), label=name, linewidth=1.4)
             val = getattr(s, f"val_{attr}", None)
             if val:
-                ax.plot(*zip(*val, strict=True), label=f"{name} held-out", linestyle="--", marker="o", markersize=3,
-                        color=line.get_color() if points else None)
+                ax.plot(
+                    *zip(*val, strict=True),
+                    label=f"{name} held-out",
+                    linestyle="--",
+                    marker="o",
+                    markersize=3,
+                    color=line.get_color() if points else None,
+                )
         if attr == "tokens_per_s" and pipeline:
             ax.plot(*zip(*pipeline, strict=True), label="producers (total)", color="black", linestyle="--")
         ax.set_title(title)

@@ -40,8 +40,9 @@ def republish_endpoint(job: JobConfig) -> str:
 
 
 class TelemetryService:
-    def __init__(self, job: JobConfig, log: logging.Logger, *, nvml=None, context: zmq.Context | None = None,
-                 node: int = 0):
+    def __init__(
+        self, job: JobConfig, log: logging.Logger, *, nvml=None, context: zmq.Context | None = None, node: int = 0
+    ):
         """`node`: this machine's node rank; its W&B run is "node<rank>" in the group named after the job."""
         self.job, self.log, self.cfg = job, log, job.telemetry
         paths = job.run_paths

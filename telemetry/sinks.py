@@ -149,9 +149,7 @@ class WandbSink:
 
     def submit(self, metrics: dict[str, float], source_prefixes: list[str]) -> bool:
         """Queue one window (Python floats only); a full queue drops it and counts."""
-        row = {
-            k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
+        row = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         try:
             self._queue.put_nowait((row, list(source_prefixes)))
             return True
@@ -200,9 +198,7 @@ class WandbSink:
                 run = wandb.init(mode=mode, settings=wandb.Settings(**self._settings), **self._init_args)
             except Exception as err:
                 wandb.teardown()  # a failed init keeps the run id "in use" in this process
-                self.log.warning(
-                    "W&B %s init failed (%s)%s", mode, err, "; trying offline" if mode == "online" else ""
-                )
+                self.log.warning("W&B %s init failed (%s)%s", mode, err, "; trying offline" if mode == "online" else "")
                 continue
             self.mode_used = mode
             run.define_metric(UPTIME_METRIC)

@@ -53,12 +53,22 @@ def sglang_answer(i: int, steps: list[int]) -> dict:
     proposed = verify * (BLOCK - 1)
     hist = [sum(1 for s in steps if s - 1 == k) for k in range(BLOCK)]
     meta = {
-        "id": f"req-{i}", "finish_reason": {"type": "length", "length": tokens}, "prompt_tokens": 17,
-        "weight_version": "default", "completion_tokens": tokens, "cached_tokens": 0, "e2e_latency": 0.01,
-        "spec_accept_rate": correct / proposed, "spec_accept_length": tokens / verify,
-        "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed, "spec_verify_ct": verify,
-        "spec_accepted_drafts": correct, "spec_proposed_drafts": proposed,
-        "spec_correct_drafts_histogram": hist, "spec_accept_histogram": hist,
+        "id": f"req-{i}",
+        "finish_reason": {"type": "length", "length": tokens},
+        "prompt_tokens": 17,
+        "weight_version": "default",
+        "completion_tokens": tokens,
+        "cached_tokens": 0,
+        "e2e_latency": 0.01,
+        "spec_accept_rate": correct / proposed,
+        "spec_accept_length": tokens / verify,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+        "spec_verify_ct": verify,
+        "spec_accepted_drafts": correct,
+        "spec_proposed_drafts": proposed,
+        "spec_correct_drafts_histogram": hist,
+        "spec_accept_histogram": hist,
     }
     return {"text": " ok" * tokens, "output_ids": list(range(tokens)), "meta_info": meta}
 
@@ -74,29 +84,44 @@ def vllm_answer(state: State, i: int, steps: list[int]) -> dict:
                 c["per_pos"][k] += 1
     tokens = sum(steps)
     return {
-        "id": f"chatcmpl-{i}", "object": "chat.completion", "created": int(time.time()), "model": MODEL,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": " ok" * tokens, "tool_calls": []},
-                     "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+        "id": f"chatcmpl-{i}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": " ok" * tokens, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
         "usage": {"prompt_tokens": 17, "total_tokens": 17 + tokens, "completion_tokens": tokens},
     }
 
 
 def exposition(state: State) -> str:
-    lines = ['# HELP vllm:num_requests_running Number of requests in model execution batches.',
-             '# TYPE vllm:num_requests_running gauge']
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+    ]
     lines += [f'vllm:num_requests_running{{engine="{e}",model_name="{MODEL}"}} 0.0' for e in "01"]
     with state.lock:
         for name, doc, key in COUNTERS:
             lines += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter"]
-            lines += [f'{name}_total{{engine="{e}",model_name="{MODEL}"}} {float(c[key])}'
-                      for e, c in state.counters.items()]
+            lines += [
+                f'{name}_total{{engine="{e}",model_name="{MODEL}"}} {float(c[key])}' for e, c in state.counters.items()
+            ]
             lines += [f"# HELP {name}_created {doc}", f"# TYPE {name}_created gauge"]
             lines += [f'{name}_created{{engine="{e}",model_name="{MODEL}"}} 1.7e+09' for e in state.counters]
         name = "vllm:spec_decode_num_accepted_tokens_per_pos"
         lines += [f"# HELP {name}_total Accepted tokens per draft position.", f"# TYPE {name}_total counter"]
         for e, c in state.counters.items():
-            lines += [f'{name}_total{{engine="{e}",model_name="{MODEL}",position="{k}"}} {float(n)}'
-                      for k, n in enumerate(c["per_pos"])]
+            lines += [
+                f'{name}_total{{engine="{e}",model_name="{MODEL}",position="{k}"}} {float(n)}'
+                for k, n in enumerate(c["per_pos"])
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -34,8 +34,9 @@ FUNCTIONS = (
 class FakeNvml(types.ModuleType):
     """`gpus` UUIDs ("GPU-…", as NVML names them); `unsupported`: functions that raise NotSupported."""
 
-    def __init__(self, gpus: tuple[str, ...] = ("GPU-0000",), *, unsupported: tuple[str, ...] = (),
-                 init_error: int | None = None):
+    def __init__(
+        self, gpus: tuple[str, ...] = ("GPU-0000",), *, unsupported: tuple[str, ...] = (), init_error: int | None = None
+    ):
         super().__init__("fake_pynvml")
         self.uuids = list(gpus)
         self.calls: Counter[str] = Counter()
@@ -169,8 +170,14 @@ class FakeNvml(types.ModuleType):
         except queue.Empty:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT) from None
         device = next(i for i, es in self._registered.items() if es == eventSet)
-        return types.SimpleNamespace(device=("fake-device", device), eventType=pynvml.nvmlEventTypeXidCriticalError,
-                                     eventData=code, gpuInstanceId=0, computeInstanceId=0, time=time.time())
+        return types.SimpleNamespace(
+            device=("fake-device", device),
+            eventType=pynvml.nvmlEventTypeXidCriticalError,
+            eventData=code,
+            gpuInstanceId=0,
+            computeInstanceId=0,
+            time=time.time(),
+        )
 
     def _nvmlEventSetFree(self, eventSet):
         with self._lock:

@@ -26,8 +26,15 @@ def launch(job: Path, *args: str, plan: Path | None = None) -> subprocess.Popen:
     env.pop("DFLASH_LAUNCH_ID", None)
     if plan is not None:
         env["DFLASH_LAUNCH_PLAN_FILE"] = str(plan)
-    return subprocess.Popen([str(ROOT / "launch.sh"), str(job), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [str(ROOT / "launch.sh"), str(job), *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -80,16 +87,27 @@ def remove_ring(job: Path, node: int = 0) -> None:
     ring_file(job, node).unlink(missing_ok=True)
 
 
-def write_job(assets: Path, *, drafters: list[dict] | None = None, overrides: dict | None = None,
-              tokens_per_batch: int = 512, epochs: int = 1, name: str = "tiny") -> Path:
+def write_job(
+    assets: Path,
+    *,
+    drafters: list[dict] | None = None,
+    overrides: dict | None = None,
+    tokens_per_batch: int = 512,
+    epochs: int = 1,
+    name: str = "tiny",
+) -> Path:
     """A job file in a fresh short run dir under /tmp (ipc paths must stay under 107 characters), written from
     the validated config (bench/harness.py); `overrides` adds or replaces keys table by table."""
     run_dir = Path(tempfile.mkdtemp(prefix="dfj-", dir="/tmp"))
     doc = {
         "job": {"name": f"{name}-{run_dir.name[4:]}", "run_dir": str(run_dir), "seed": 7},
         "target": {"path": str(assets / "target"), "dtype": "float32", "num_features": 3},
-        "data": {"path": str(assets / "train.jsonl"), "max_length": 256, "tokens_per_batch": tokens_per_batch,
-                 "epochs": epochs},
+        "data": {
+            "path": str(assets / "train.jsonl"),
+            "max_length": 256,
+            "tokens_per_batch": tokens_per_batch,
+            "epochs": epochs,
+        },
         "transport": {"slots": 4, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "attach_timeout_s": 120},
         "telemetry": {"interval_s": 0.5, "window_s": 1.0, "wandb_mode": "offline"},
     }

@@ -141,8 +141,12 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
     "llama3_rope": _cfg(
         LlamaConfig,
         rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=64,
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
         ),
     ),
     "qwen2": _cfg(Qwen2Config, tie_word_embeddings=True),
@@ -164,9 +168,7 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
-    "qwen3_next": _cfg(
-        Qwen3NextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32, decoder_sparse_step=1
-    ),
+    "qwen3_next": _cfg(Qwen3NextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32, decoder_sparse_step=1),
     "qwen3_5_text": _cfg(Qwen3_5TextConfig, **_LINEAR),
     "qwen3_5_moe": _cfg(  # MoE-only like the published config: no dense intermediate_size
         Qwen3_5MoeTextConfig, **_LINEAR, **_MOE, shared_expert_intermediate_size=32, intermediate_size=_DERIVED
@@ -210,30 +212,68 @@ _CONFIGS: dict[str, Callable[..., PretrainedConfig]] = {
         Qwen2_5_VLTextConfig, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])
     ),
     "llama4_text": _cfg(  # MoE every layer, chunked attention shorter than the test sequences, NoPE layers
-        Llama4TextConfig, num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1,
-        intermediate_size_mlp=128, interleave_moe_layer_step=1, no_rope_layers=[1, 0], attention_chunk_size=8,
+        Llama4TextConfig,
+        num_hidden_layers=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=128,
+        interleave_moe_layer_step=1,
+        no_rope_layers=[1, 0],
+        attention_chunk_size=8,
     ),
     # state-space hybrids and a pure state-space model: their mixers keep a recurrent state across tokens
     "falcon_h1": _cfg(  # every layer: attention and a Mamba-2 mixer side by side
-        FalconH1Config, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
-        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        FalconH1Config,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
     ),
     "jamba": _cfg(  # Mamba layers, one attention layer of two, MoE every other layer
-        JambaConfig, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+        JambaConfig,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
         head_dim=_DERIVED,
     ),
     "mamba": _cfg(  # pure state space: no attention at all
-        MambaConfig, state_size=8, expand=2, conv_kernel=4, use_mambapy=False,
-        **{k: _DERIVED for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                 "max_position_embeddings")},
+        MambaConfig,
+        state_size=8,
+        expand=2,
+        conv_kernel=4,
+        use_mambapy=False,
+        **{
+            k: _DERIVED
+            for k in (
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            )
+        },
     ),
 }
 
 # multimodal wrappers, saved the way save_pretrained writes the published checkpoints (text decoder + vision
 # tower): the zoo name → the text architecture inside it
-WRAPPERS = {"qwen3_5_vl": "qwen3_5_text", "gemma3_vl": "gemma3_text", "mistral3_vl": "mistral3_text",
-            "qwen3_vl": "qwen3_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "llama4_vl": "llama4_text"}
+WRAPPERS = {
+    "qwen3_5_vl": "qwen3_5_text",
+    "gemma3_vl": "gemma3_text",
+    "mistral3_vl": "mistral3_text",
+    "qwen3_vl": "qwen3_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text",
+    "llama4_vl": "llama4_text",
+}
 # supported through the per-sequence fallback only: a short convolution (lfm2), Mamba mixers (falcon_h1, jamba,
 # mamba) keep a state across tokens that a packed forward would carry from one sequence into the next
 FALLBACK_ARCHS: list[str] = ["lfm2", "falcon_h1", "jamba", "mamba"]
@@ -242,7 +282,8 @@ _TEXT_ONLY = {"mistral3_text", "qwen3_vl_text", "qwen2_5_vl_text", "llama4_text"
 # producer and the parts loader are tested on it (its `language_model` is the reference), the drafter is not
 WRAPPER_ONLY: list[str] = ["llama4_vl"]
 ARCHS: list[str] = [
-    *(a for a in _CONFIGS if a not in FALLBACK_ARCHS and a not in _TEXT_ONLY), *(w for w in WRAPPERS if w not in WRAPPER_ONLY)
+    *(a for a in _CONFIGS if a not in FALLBACK_ARCHS and a not in _TEXT_ONLY),
+    *(w for w in WRAPPERS if w not in WRAPPER_ONLY),
 ]
 
 
@@ -291,47 +332,88 @@ def build_target(arch: str, out_dir: str | Path, *, seed: int = 0, num_layers: i
 def _wrapper(arch: str, text: dict) -> torch.nn.Module:
     """The multimodal model class of `arch` around the text decoder `text`, with a one-layer vision tower."""
     qwen_vision = dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
         num_position_embeddings=16,
     )
-    small_vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                        image_size=16, patch_size=4)
+    small_vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+    )
     spare = VOCAB_SIZE - 4  # image tokens live in the spare rows of the embedding, as in real checkpoints
     if arch == "qwen3_5_vl":
         return Qwen3_5ForConditionalGeneration(
             Qwen3_5Config(text_config=text, vision_config=qwen_vision, tie_word_embeddings=False)
         )
     if arch == "qwen3_vl":
-        return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-            text_config=text, vision_config={**qwen_vision, "deepstack_visual_indexes": [0]},
-            image_token_id=spare, video_token_id=spare + 1, vision_start_token_id=spare + 2,
-            vision_end_token_id=spare + 3, tie_word_embeddings=False,
-        ))
+        return Qwen3VLForConditionalGeneration(
+            Qwen3VLConfig(
+                text_config=text,
+                vision_config={**qwen_vision, "deepstack_visual_indexes": [0]},
+                image_token_id=spare,
+                video_token_id=spare + 1,
+                vision_start_token_id=spare + 2,
+                vision_end_token_id=spare + 3,
+                tie_word_embeddings=False,
+            )
+        )
     if arch == "qwen2_5_vl":
-        return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config=text, vision_config={**qwen_vision, "window_size": 16, "fullatt_block_indexes": [0]},
-            image_token_id=spare, video_token_id=spare + 1, vision_start_token_id=spare + 2,
-            vision_end_token_id=spare + 3,
-        ))
+        return Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config=text,
+                vision_config={**qwen_vision, "window_size": 16, "fullatt_block_indexes": [0]},
+                image_token_id=spare,
+                video_token_id=spare + 1,
+                vision_start_token_id=spare + 2,
+                vision_end_token_id=spare + 3,
+            )
+        )
     if arch == "llama4_vl":
-        return Llama4ForConditionalGeneration(Llama4Config(
-            text_config=text, vision_config=dict(
-                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-                patch_size=4, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64,
-                pixel_shuffle_ratio=0.5,
-            ),
-            image_token_index=spare, boi_token_index=spare + 1, eoi_token_index=spare + 2,
-        ))
+        return Llama4ForConditionalGeneration(
+            Llama4Config(
+                text_config=text,
+                vision_config=dict(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    image_size=16,
+                    patch_size=4,
+                    vision_output_dim=32,
+                    projector_input_dim=32,
+                    projector_output_dim=64,
+                    pixel_shuffle_ratio=0.5,
+                ),
+                image_token_index=spare,
+                boi_token_index=spare + 1,
+                eoi_token_index=spare + 2,
+            )
+        )
     if arch == "gemma3_vl":
-        return Gemma3ForConditionalGeneration(Gemma3Config(
-            text_config=text, vision_config=small_vision, mm_tokens_per_image=4, boi_token_index=spare,
-            eoi_token_index=spare + 1, image_token_index=spare + 2, tie_word_embeddings=True,
-        ))
+        return Gemma3ForConditionalGeneration(
+            Gemma3Config(
+                text_config=text,
+                vision_config=small_vision,
+                mm_tokens_per_image=4,
+                boi_token_index=spare,
+                eoi_token_index=spare + 1,
+                image_token_index=spare + 2,
+                tie_word_embeddings=True,
+            )
+        )
     if arch == "mistral3_vl":
-        return Mistral3ForConditionalGeneration(Mistral3Config(
-            text_config=text, vision_config={**small_vision, "head_dim": 16}, image_token_index=spare,
-            spatial_merge_size=1, tie_word_embeddings=False,
-        ))
+        return Mistral3ForConditionalGeneration(
+            Mistral3Config(
+                text_config=text,
+                vision_config={**small_vision, "head_dim": 16},
+                image_token_index=spare,
+                spatial_merge_size=1,
+                tie_word_embeddings=False,
+            )
+        )
     raise ValueError(f"no wrapper for {arch!r}")
 
 

@@ -90,8 +90,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         super().__init__(config)
         d = config.dflash_config
         self.layers = nn.ModuleList(DFlash2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, d["selector_rank"],
-                                                    d["selector_top_k"])
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, d["selector_rank"], d["selector_top_k"]
+        )
         self.output_multiplier = float(d.get("output_multiplier", 1.0))
         cap = float(d.get("final_logit_softcapping") or 0.0)
         self.softcap = cap if cap > 0 else None

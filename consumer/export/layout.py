@@ -54,8 +54,11 @@ def export_config(
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token_id, "mask_token": mask_token_text(str(parts.path), mask_token_id),
-                          "target_layer_ids": list(target_layer_ids)},
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "mask_token": mask_token_text(str(parts.path), mask_token_id),
+            "target_layer_ids": list(target_layer_ids),
+        },
         "num_target_layers": parts.num_hidden_layers,
         "num_hidden_layers": arch.num_layers,
         "layer_types": kinds,
@@ -88,9 +91,17 @@ def export_config(
 def trainer_export_config(trainer) -> dict:
     """export_config of a Trainer's drafter (its arch, target parts, block size, mask token, layers, dtype),
     in the DFlash2 layout for a DFlash2 drafter."""
-    return export_config_of(export_config(trainer.arch, trainer.parts, block_size=trainer.cfg.block_size,
-                                          mask_token_id=trainer.mask_token_id, target_layer_ids=trainer.target_layer_ids,
-                                          dtype=trainer.cfg.dtype), trainer.model)
+    return export_config_of(
+        export_config(
+            trainer.arch,
+            trainer.parts,
+            block_size=trainer.cfg.block_size,
+            mask_token_id=trainer.mask_token_id,
+            target_layer_ids=trainer.target_layer_ids,
+            dtype=trainer.cfg.dtype,
+        ),
+        trainer.model,
+    )
 
 
 def target_special_tokens(path: Path) -> dict:
@@ -143,9 +154,14 @@ def export_config_of(config: dict, model: nn.Module) -> dict:
         **config,
         "architectures": ["DFlash2DraftModel"],
         "auto_map": {"AutoModel": "dflash2.DFlash2DraftModel"},
-        "dflash_config": {**config["dflash_config"], "block_size": s.block_size,
-                          "conv_kernel_size": s.conv_kernel_size, "conv_group_size": s.conv_group_size,
-                          "selector_rank": s.selector_rank, "selector_top_k": s.selector_top_k},
+        "dflash_config": {
+            **config["dflash_config"],
+            "block_size": s.block_size,
+            "conv_kernel_size": s.conv_kernel_size,
+            "conv_group_size": s.conv_group_size,
+            "selector_rank": s.selector_rank,
+            "selector_top_k": s.selector_top_k,
+        },
     }
 
 

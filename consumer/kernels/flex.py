@@ -98,9 +98,14 @@ class CompiledFlex:
             self.unplanned_shapes += 1
             self._count("flex_unplanned_shapes")
             if self.unplanned_shapes == 1:
-                log.warning("flex attention: a batch of %d context × %d block rows (padded) is outside the plan"
-                            " (%d × %d): it compiles a graph of its own; counted as flex_unplanned_shapes",
-                            KVp - Qp, Qp, self.plan.ctx_rows, self.plan.block_rows)
+                log.warning(
+                    "flex attention: a batch of %d context × %d block rows (padded) is outside the plan"
+                    " (%d × %d): it compiles a graph of its own; counted as flex_unplanned_shapes",
+                    KVp - Qp,
+                    Qp,
+                    self.plan.ctx_rows,
+                    self.plan.block_rows,
+                )
         try:
             # the limit only while this kernel compiles: a run needs plan.graphs, the rest is headroom
             with torch._dynamo.config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True):
@@ -109,9 +114,14 @@ class CompiledFlex:
             self.eager_fallbacks += 1
             self._count("flex_eager_fallbacks")
             if self.eager_fallbacks == 1:
-                log.warning("flex attention: Dynamo's recompile limit (%d graphs) is reached; this and later"
-                            " new shapes run eager flex, which materialises the [h, %d, %d] scores; counted as"
-                            " flex_eager_fallbacks", self.recompile_limit, Qp, KVp)
+                log.warning(
+                    "flex attention: Dynamo's recompile limit (%d graphs) is reached; this and later"
+                    " new shapes run eager flex, which materialises the [h, %d, %d] scores; counted as"
+                    " flex_eager_fallbacks",
+                    self.recompile_limit,
+                    Qp,
+                    KVp,
+                )
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 

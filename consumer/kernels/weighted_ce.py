@@ -116,7 +116,10 @@ def _grid(R: int):
 
 
 def weighted_ce_(
-    logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool = True,
+    logits: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    need_grad: bool = True,
     reweight: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """logits [R, V] (rows contiguous), labels [R], weights [R] -> lse, target logit, max logit ([R] float32).
@@ -142,8 +145,13 @@ def weighted_ce_(
     return lse, tgt, mx
 
 
-def _weighted_ce_torch_(logits: Tensor, labels: Tensor, weights: Tensor, need_grad: bool,
-                        reweight: Callable[[Tensor, Tensor], Tensor] | None = None):
+def _weighted_ce_torch_(
+    logits: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    need_grad: bool,
+    reweight: Callable[[Tensor, Tensor], Tensor] | None = None,
+):
     """The same in torch, in place: five passes over the chunk and no temporary of its size (float32)."""
     rows = torch.arange(logits.shape[0], device=logits.device)
     x = logits if logits.dtype == torch.float32 else logits.float()
@@ -164,9 +172,7 @@ def _weighted_ce_torch_(logits: Tensor, labels: Tensor, weights: Tensor, need_gr
     return lse, tgt, mx
 
 
-def warmup(
-    vocab_size: int, rows: int, dtype: torch.dtype, device: torch.device, cache_dir: Path | None
-) -> None:
+def warmup(vocab_size: int, rows: int, dtype: torch.dtype, device: torch.device, cache_dir: Path | None) -> None:
     """Compile and autotune both kernels for the training chunk shape before the first timed step,
     with the Triton cache in `cache_dir` (the run folder) so restarts reuse it. No-op off CUDA."""
     if device.type != "cuda" or triton is None:

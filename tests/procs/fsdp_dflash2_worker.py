@@ -1,6 +1,6 @@
 """One replica of a two-process gloo group on the CPU training a DFlash2 drafter on the same batch schedule
 twice: unsharded replicas (the all-reduce path) and FSDP2 (decoder layers with their convolutions, and the
-candidate selector, as units of their own). Rank 0 saves what tests/test_recipe_dflash2.py compares.
+candidate selector, as units of their own). Rank 0 saves what tests/consumer/test_recipe_dflash2.py compares.
 
     python -m tests.procs.fsdp_dflash2_worker TARGET_DIR BATCHES.pt OUT_DIR RANK WORLD PORT
 """
@@ -15,8 +15,8 @@ import torch
 from consumer.distributed import GroupEnv, ReplicaGroup
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
+from tests.consumer.test_drafter_common import LAYER_IDS, drafter_cfg
 from tests.procs.fsdp_worker import full
-from tests.test_drafter_common import LAYER_IDS, drafter_cfg
 
 # per step: the batch indices each rank trains (rank 1 has none in step 2: join semantics, stand-in passes)
 SCHEDULE = [{0: [0], 1: [1]}, {0: [2, 3], 1: []}, {0: [1], 1: [3]}]
@@ -27,8 +27,15 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     group = ReplicaGroup(GroupEnv(rank, world, rank, 0, 1, "127.0.0.1", port), torch.device("cpu"), timeout_s=300)
     parts = load_target_parts(target)
     batches = torch.load(batches_path, weights_only=True)
-    cfg = drafter_cfg(arch="dflash2", num_layers=2, selector_rank=8, selector_top_k=4, grad_clip=0.5,
-                      total_steps=20, distributed="fsdp")
+    cfg = drafter_cfg(
+        arch="dflash2",
+        num_layers=2,
+        selector_rank=8,
+        selector_top_k=4,
+        grad_clip=0.5,
+        total_steps=20,
+        distributed="fsdp",
+    )
 
     def run(fsdp: bool) -> list[dict]:
         t = Trainer(cfg, parts, LAYER_IDS, "cpu")
@@ -43,8 +50,14 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
                 t.accumulate(*batches[i], seq=10 * s + i)
             logged = t.optimizer_step(10 * s + 9)
             params = {n: full(p) for n, p in t.model.named_parameters()}  # collective under FSDP
-            seen.append({"params": params, "grad_norm": float(t._grad_norm), "step": t.step,
-                         "selector_recall": logged["selector_recall"] if logged else float("nan")})
+            seen.append(
+                {
+                    "params": params,
+                    "grad_norm": float(t._grad_norm),
+                    "step": t.step,
+                    "selector_recall": logged["selector_recall"] if logged else float("nan"),
+                }
+            )
         return seen
 
     result = {"replicas": run(False), "fsdp": run(True)}

@@ -29,7 +29,7 @@ from consumer.export.layout import drafter_shape, trainer_export_config
 from consumer.stream import BatchStream, ReceivedBatch
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
-from tests.test_drafter_common import LAYER_IDS, drafter_cfg
+from tests.consumer.test_drafter_common import LAYER_IDS, drafter_cfg
 
 # per step: the batch indices each rank trains (rank 1 has fewer batches in steps 2 and 3: join semantics)
 SCHEDULE = [
@@ -63,8 +63,9 @@ def serve_batches(channel: ProducerChannel, ring: SlotRing, batches: list, order
     """The producer's side by hand: WELCOME, then `batches[order[n]]` as seq n into the ring's slots, a
     slot reused as soon as its release came (the consumer releases right after its copy-out)."""
     hello = wait_message(channel, Hello)
-    channel.send(hello.peer, Welcome(1, "cpu", ring.num_slots, ring.slot_bytes, ring.handle(), HEARTBEAT_S,
-                                     HEARTBEAT_TIMEOUT_S))
+    channel.send(
+        hello.peer, Welcome(1, "cpu", ring.num_slots, ring.slot_bytes, ring.handle(), HEARTBEAT_S, HEARTBEAT_TIMEOUT_S)
+    )
     wait_message(channel, Attached)
     free = list(range(ring.num_slots))
     for seq, i in enumerate(order):
@@ -74,8 +75,12 @@ def serve_batches(channel: ProducerChannel, ring: SlotRing, batches: list, order
         hidden, input_ids, loss_mask, cu_seqlens = batches[i]
         layout = plan_layout(slot_items(input_ids.numel(), cu_seqlens.numel() - 1, hidden.shape[1], "float32"))
         views = ring.begin_write(slot, layout)
-        ring.end_write(slot, views, {"hidden": hidden, "input_ids": input_ids, "loss_mask": loss_mask,
-                                     "cu_seqlens": cu_seqlens}, seq)
+        ring.end_write(
+            slot,
+            views,
+            {"hidden": hidden, "input_ids": input_ids, "loss_mask": loss_mask, "cu_seqlens": cu_seqlens},
+            seq,
+        )
         channel.send(hello.peer, Batch(1, seq, slot, 0, layout_to_wire(layout), [seq], input_ids.numel(), -1))
 
 
@@ -121,8 +126,13 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
                 t.accumulate(hidden, input_ids, loss_mask, cu_seqlens, seq=seq)
                 group_tokens += world * input_ids.numel()  # every batch of the schedule has the same T
             t.optimizer_step(seq)
-            seen.append({"params": {n: full(p) for n, p in t.model.named_parameters()},
-                         "grad_norm": float(t._grad_norm), "step": t.step})
+            seen.append(
+                {
+                    "params": {n: full(p) for n, p in t.model.named_parameters()},
+                    "grad_norm": float(t._grad_norm),
+                    "step": t.step,
+                }
+            )
         return seen
 
     order = [i for step in STREAM_SCHEDULE for i in step[rank]]
@@ -130,13 +140,20 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     cfg = cfg.model_copy(update={"tokens_per_step": tokens_per_step})
     direct = iter(order)
     stream_ddp = run_rounds(trainer(False), lambda: (*batches[next(direct)], 0))
-    job = parse_job({"job": {"run_dir": str(out / f"stream-r{rank}")}, "target": {"path": "x"}, "data": {"path": "y"},
-                     "drafters": [{"name": "d0"}],
-                     "transport": {"heartbeat_interval_s": HEARTBEAT_S, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}})
+    job = parse_job(
+        {
+            "job": {"run_dir": str(out / f"stream-r{rank}")},
+            "target": {"path": "x"},
+            "data": {"path": "y"},
+            "drafters": [{"name": "d0"}],
+            "transport": {"heartbeat_interval_s": HEARTBEAT_S, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S},
+        }
+    )
     job.run_paths.make()
     width = batches[0][0].shape[1]
-    ring = SlotRing.create("cpu", 2, required_slot_bytes(job.data.tokens_per_batch, width, "float32"),
-                           name=f"fsdp-{secrets.token_hex(6)}")
+    ring = SlotRing.create(
+        "cpu", 2, required_slot_bytes(job.data.tokens_per_batch, width, "float32"), name=f"fsdp-{secrets.token_hex(6)}"
+    )
     channel = ProducerChannel(job.run_paths.ipc(job.run_paths.control_socket(0)), HEARTBEAT_S, HEARTBEAT_TIMEOUT_S)
     server = threading.Thread(target=serve_batches, args=(channel, ring, batches, order), daemon=True)
     server.start()
@@ -164,8 +181,9 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     run(first, range(RESUME_AT))
     first_state = first.gather_state(keep=group.is_writer)
     if group.is_writer:
-        write_checkpoint(out / "ckpt", checkpoint_state(first_state, shape=drafter_shape(first)),
-                         trainer_export_config(first))
+        write_checkpoint(
+            out / "ckpt", checkpoint_state(first_state, shape=drafter_shape(first)), trainer_export_config(first)
+        )
     group.sync_round(RoundFlags())  # a barrier: the checkpoint is on disk before anyone resumes
     resumed_trainer = trainer(True)
 
@@ -178,9 +196,18 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     resumed = run(resumed_trainer, range(RESUME_AT, len(SCHEDULE)))
     resumed_state = resumed_trainer.gather_state(keep=group.is_writer)
     if group.is_writer:
-        torch.save({"replicas": replicas, "straight": straight, "resumed": resumed, "straight_state": straight_state,
-                    "resumed_state": resumed_state, "stream_ddp": stream_ddp,
-                    "stream_fsdp": stream_fsdp}, out / "result.pt")
+        torch.save(
+            {
+                "replicas": replicas,
+                "straight": straight,
+                "resumed": resumed,
+                "straight_state": straight_state,
+                "resumed_state": resumed_state,
+                "stream_ddp": stream_ddp,
+                "stream_fsdp": stream_fsdp,
+            },
+            out / "result.pt",
+        )
     group.close()
     return 0
 

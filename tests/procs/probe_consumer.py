@@ -1,6 +1,6 @@
 """A consumer that trains nothing: it saves the first N batches it receives for the test to check.
 
-    python -m tests.procs.probe_consumer JOB.toml DRAFTER N OUT.pt
+python -m tests.procs.probe_consumer JOB.toml DRAFTER N OUT.pt
 """
 
 import sys
@@ -20,9 +20,16 @@ def main(job_path: str, drafter: str, n: int, out: str) -> int:
             item = stream.next(timeout_s=60)
             if not isinstance(item, ReceivedBatch):
                 break
-            batches.append({"seq": item.seq, "input_ids": item.input_ids.clone(), "hidden": item.hidden.clone(),
-                            "loss_mask": item.loss_mask.clone(), "cu_seqlens": item.cu_seqlens.clone(),
-                            "sample_ids": torch.tensor(item.sample_ids)})
+            batches.append(
+                {
+                    "seq": item.seq,
+                    "input_ids": item.input_ids.clone(),
+                    "hidden": item.hidden.clone(),
+                    "loss_mask": item.loss_mask.clone(),
+                    "cu_seqlens": item.cu_seqlens.clone(),
+                    "sample_ids": torch.tensor(item.sample_ids),
+                }
+            )
         torch.save(batches, out)
         stream.bye("probe done", -1)
     finally:

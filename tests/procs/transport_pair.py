@@ -34,7 +34,7 @@ class FakeBatch:
 def make_batch(seq: int, max_tokens: int) -> FakeBatch:
     g = torch.Generator().manual_seed(1000 + seq)
     tokens = int(torch.randint(8, max_tokens + 1, (1,), generator=g))
-    cuts = torch.sort(torch.randperm(tokens - 1, generator=g)[: 3] + 1).values
+    cuts = torch.sort(torch.randperm(tokens - 1, generator=g)[:3] + 1).values
     cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]).to(torch.int32)
     ids = torch.randint(0, 50_000, (tokens,), generator=g)
     mask = torch.randint(0, 2, (tokens,), generator=g, dtype=torch.uint8)
@@ -60,14 +60,24 @@ def producer(job_path: str, num_batches: int, out_path: str) -> int:
     job = load_job(job_path)
     job.run_paths.make()
     service = build_service(
-        job, FakeTarget(), lambda start: (make_batch(s, job.data.tokens_per_batch) for s in range(start, num_batches)),
+        job,
+        FakeTarget(),
+        lambda start: (make_batch(s, job.data.tokens_per_batch) for s in range(start, num_batches)),
         num_batches,
     )
     ring_path = service.ring.path
     status = service.run()
-    write_json(out_path, {"status": status, "in_use": service.table.in_use, "batches": service.counters.batches,
-                          "fenced": service.counters.fenced, "ring_path": ring_path,
-                          "rejected_hellos": service.counters.rejected_hellos})
+    write_json(
+        out_path,
+        {
+            "status": status,
+            "in_use": service.table.in_use,
+            "batches": service.counters.batches,
+            "fenced": service.counters.fenced,
+            "ring_path": ring_path,
+            "rejected_hellos": service.counters.rejected_hellos,
+        },
+    )
     return status
 
 
@@ -87,9 +97,13 @@ def consumer(job_path: str, drafter: str, replica: int, out_path: str, resume: i
             if not isinstance(item, ReceivedBatch):
                 break
             want = make_batch(item.seq, job.data.tokens_per_batch)
-            ok = (torch.equal(item.input_ids, want.input_ids) and torch.equal(item.loss_mask, want.loss_mask)
-                  and torch.equal(item.cu_seqlens, want.cu_seqlens) and torch.equal(item.hidden, features(want.input_ids))
-                  and item.sample_ids == want.sample_ids)
+            ok = (
+                torch.equal(item.input_ids, want.input_ids)
+                and torch.equal(item.loss_mask, want.loss_mask)
+                and torch.equal(item.cu_seqlens, want.cu_seqlens)
+                and torch.equal(item.hidden, features(want.input_ids))
+                and item.sample_ids == want.sample_ids
+            )
             seqs.append(item.seq)
             if not ok:
                 bad.append(item.seq)
