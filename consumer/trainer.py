@@ -38,7 +38,7 @@ from consumer.kernels.flex import CompiledFlex, FlexPlan
 from consumer.loss import DraftMetrics, chunked_lm_head_loss, slot_loss
 from consumer.mask_token import resolve_mask_token_id
 from consumer.model import DrafterArch
-from consumer.objective import anchor_budget, attention_masks, build_draft_batch
+from consumer.objective import DraftBatch, anchor_budget, attention_masks, build_draft_batch
 from consumer.optim import build_optimizer, check_optimizer_state
 from consumer.sliding_rule import serving_caveats
 from consumer.target_parts import TargetParts
@@ -257,6 +257,38 @@ class Trainer:
             return
         self._forward_backward(hidden, input_ids, loss_mask, cu_seqlens)
 
+    def draft_inputs(
+        self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, generator: torch.Generator
+    ) -> tuple[Tensor, DraftBatch, dict]:
+        """A packed batch on the device → (context features, its anchors and blocks drawn from `generator`,
+        one attention mask per layer kind): what a training step and a validation pass feed the drafter."""
+        cfg, dev = self.cfg, self.device
+        input_ids = input_ids.to(dev, torch.int64, non_blocking=True)
+        hidden = hidden.to(dev, non_blocking=True)
+        if self.autocast_dtype is None:
+            hidden = hidden.float()
+        batch = build_draft_batch(
+            input_ids,
+            loss_mask,  # host copies, as cu_seqlens: they size the step
+            cu_seqlens,
+            anchors_per_seq=cfg.anchors_per_seq,
+            block_size=cfg.block_size,
+            mask_token_id=self.mask_token_id,
+            gamma=cfg.loss_gamma,
+            generator=generator,
+            partial_blocks=cfg.partial_blocks,
+            max_anchors=self.max_anchors,
+        )
+        masks = attention_masks(
+            batch,
+            self.arch.attention_layers,
+            cfg.sliding_window,
+            flex=self.use_flex,
+            kernel=self.flex,
+            sliding_block_attention=self.arch.sliding_block_attention,
+        )
+        return hidden, batch, masks
+
     def _forward_backward(
         self,
         hidden: Tensor,
@@ -269,29 +301,8 @@ class Trainer:
         """stand_in: FSDP's zero-weight pass of a replica without a batch, its anchors drawn from this generator."""
         cfg, dev = self.cfg, self.device
         with timed(self.prof, "anchors"):
-            input_ids = input_ids.to(dev, torch.int64, non_blocking=True)
-            hidden = hidden.to(dev, non_blocking=True)
-            if self.autocast_dtype is None:
-                hidden = hidden.float()
-            batch = build_draft_batch(
-                input_ids,
-                loss_mask,  # host copies, as cu_seqlens: they size the step
-                cu_seqlens,
-                anchors_per_seq=cfg.anchors_per_seq,
-                block_size=cfg.block_size,
-                mask_token_id=self.mask_token_id,
-                gamma=cfg.loss_gamma,
-                generator=stand_in if stand_in is not None else self.generator,
-                partial_blocks=cfg.partial_blocks,
-                max_anchors=self.max_anchors,
-            )
-            masks = attention_masks(
-                batch,
-                self.arch.attention_layers,
-                cfg.sliding_window,
-                flex=self.use_flex,
-                kernel=self.flex,
-                sliding_block_attention=self.arch.sliding_block_attention,
+            hidden, batch, masks = self.draft_inputs(
+                hidden, input_ids, loss_mask, cu_seqlens, stand_in if stand_in is not None else self.generator
             )
         with timed(self.prof, "forward"), self._autocast():
             h = self.model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from consumer.best_checkpoint import BestCheckpoint
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
-from consumer.objective import attention_masks, build_draft_batch
 
 log = logging.getLogger("consumer")
 
@@ -94,30 +93,7 @@ class Evaluator:
             else contextlib.nullcontext()
         )
         with torch.no_grad():
-            ids = input_ids.to(tr.device, torch.int64, non_blocking=True)
-            h = hidden.to(tr.device, non_blocking=True)
-            if tr.autocast_dtype is None:
-                h = h.float()
-            batch = build_draft_batch(
-                ids,
-                loss_mask,
-                cu_seqlens,
-                anchors_per_seq=cfg.anchors_per_seq,
-                block_size=cfg.block_size,
-                mask_token_id=tr.mask_token_id,
-                gamma=cfg.loss_gamma,
-                generator=generator,
-                partial_blocks=cfg.partial_blocks,
-                max_anchors=tr.max_anchors,
-            )
-            masks = attention_masks(
-                batch,
-                tr.arch.attention_layers,
-                cfg.sliding_window,
-                flex=tr.use_flex,
-                kernel=tr.flex,
-                sliding_block_attention=tr.arch.sliding_block_attention,
-            )
+            h, batch, masks = tr.draft_inputs(hidden, input_ids, loss_mask, cu_seqlens, generator)
             with autocast:
                 out = tr.model(h, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
                 loss_sum, correct = chunked_lm_head_loss(
