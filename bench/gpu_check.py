@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 MD_BEGIN, MD_END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 TARGET = dict(
@@ -159,42 +161,38 @@ def log(msg: str) -> None:
 
 def write_job(path: Path, run_dir: Path, assets: Path, data: str, epochs: int, tokens_per_batch: int) -> Path:
     """A job file of the check's shapes: the small target checkpoint, two drafters on cuda:0."""
-    drafters = "".join(
-        f"""
-[[drafters]]
-name = "b16_{i}"
-block_size = {DRAFTER["block_size"]}
-num_layers = {DRAFTER["num_layers"]}
-devices = ["cuda:0"]
-checkpoint_every = 1000000
-total_steps = 100000
-"""
+    drafters = [
+        {
+            "name": f"b16_{i}",
+            "block_size": DRAFTER["block_size"],
+            "num_layers": DRAFTER["num_layers"],
+            "devices": ["cuda:0"],
+            "checkpoint_every": 1000000,
+            "total_steps": 100000,
+        }
         for i in range(2)
-    )
+    ]
+    doc = {
+        "job": {"name": f"gpucheck-{run_dir.name}", "run_dir": str(run_dir)},
+        "target": {
+            "path": str(assets / "target"),
+            "dtype": "bfloat16",
+            "device": "cuda:0",
+            "layer_ids": list(PIPELINE_LAYER_IDS),
+            "num_features": len(PIPELINE_LAYER_IDS),
+        },
+        "data": {
+            "path": str(assets / data),
+            "max_length": MAX_LENGTH,
+            "tokens_per_batch": tokens_per_batch,
+            "epochs": epochs,
+        },
+        "transport": {"kind": "cuda"},
+        "telemetry": {"interval_s": 5.0, "nvml_interval_s": 1.0, "wandb_mode": "disabled"},
+        "drafters": drafters,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"""
-[job]
-name = "gpucheck-{run_dir.name}"
-run_dir = "{run_dir}"
-[target]
-path = "{assets / "target"}"
-dtype = "bfloat16"
-device = "cuda:0"
-layer_ids = {PIPELINE_LAYER_IDS}
-num_features = {len(PIPELINE_LAYER_IDS)}
-[data]
-path = "{assets / data}"
-max_length = {MAX_LENGTH}
-tokens_per_batch = {tokens_per_batch}
-epochs = {epochs}
-[transport]
-kind = "cuda"
-[telemetry]
-interval_s = 5.0
-nvml_interval_s = 1.0
-wandb_mode = "disabled"
-{drafters}""")
-    return path
+    return harness.write_job(path, doc)
 
 
 def run_stage(name: str, workdir: Path) -> dict:
