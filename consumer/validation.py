@@ -96,10 +96,11 @@ class Evaluator:
             h, batch, masks = tr.draft_inputs(hidden, input_ids, loss_mask, cu_seqlens, generator)
             with autocast:
                 out = tr.model(h, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
+                weights = tr.slot_loss.base_weights(batch.weights)  # the training objective's (D-PACE: the mask)
                 loss_sum, correct = chunked_lm_head_loss(
-                    out, tr.model.lm_head, batch.labels, batch.weights, cfg.loss_chunk_rows
+                    out, tr.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, tr.slot_loss
                 )
-            self.metrics.add(loss_sum, correct, batch.weights)
+            self.metrics.add(loss_sum, correct, weights, tr.slot_loss.normaliser(weights))  # val_loss reads as loss
 
 
 def val_metrics(result: PassResult) -> dict[str, float]:

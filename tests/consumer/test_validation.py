@@ -21,7 +21,7 @@ from consumer.checkpoint import write_checkpoint
 from consumer.distributed import GroupEnv, ReplicaGroup
 from consumer.export.layout import trainer_export_config
 from consumer.group_cursor import GroupCursor
-from consumer.loss import full_logits_loss
+from consumer.loss import DPaceLoss, full_logits_loss
 from consumer.objective import attention_masks, build_draft_batch
 from consumer.resume_points import ResumePoints
 from consumer.service import ConsumerService
@@ -272,10 +272,13 @@ def test_validation_on_or_off_trains_bit_identical_weights(setup):
     ]
 
 
-def test_a_pass_is_the_drafters_loss_and_tau_on_the_held_out_batches(setup):
-    """The evaluator's figures against an independent computation: the documented anchors, the unchunked loss."""
+@pytest.mark.parametrize("loss", ["dpace", "decay"])
+def test_a_pass_is_the_drafters_loss_and_tau_on_the_held_out_batches(setup, loss):
+    """The evaluator's figures against an independent computation: the documented anchors, the unchunked loss
+    of the drafter's own objective (so val_loss reads as the training loss does: D-PACE's Σ w·CE per valid
+    anchor, the decay's Σ w·CE / Σ w)."""
     parts, _, val = setup
-    trainer = Trainer(drafter_cfg(), parts, LAYER_IDS, "cpu")
+    trainer = Trainer(drafter_cfg(loss=loss), parts, LAYER_IDS, "cpu")
     cfg = trainer.cfg
     result = Evaluator(trainer).add(*val[0], sample_ids=[0], validation=(1, 0, 1))
     with torch.no_grad():
@@ -295,8 +298,14 @@ def test_a_pass_is_the_drafters_loss_and_tau_on_the_held_out_batches(setup):
         )
         masks = attention_masks(batch, trainer.arch.attention_layers, cfg.sliding_window, flex=False)
         h = trainer.model(hidden.float(), batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
-        ls, correct = full_logits_loss(h, trainer.model.lm_head, batch.labels, batch.weights)
-        loss_sum, weight = float(ls), float(batch.weights.sum())
+        if loss == "dpace":
+            mask = (batch.weights > 0).float()
+            ls, correct = full_logits_loss(h, trainer.model.lm_head, batch.labels, mask, DPaceLoss(cfg.block_size, 0.5))
+            weight = float(mask.view(-1, cfg.block_size).any(dim=1).sum())  # anchors with a supervised slot
+        else:
+            ls, correct = full_logits_loss(h, trainer.model.lm_head, batch.labels, batch.weights)
+            weight = float(batch.weights.sum())
+        loss_sum = float(ls)
         ok = (correct & (batch.weights > 0)).view(-1, cfg.block_size)
         leading = float(ok[:, 1:].long().cumprod(1).sum())
         anchors = ok.shape[0]
