@@ -124,7 +124,11 @@ def reclaim(run_dir: str | Path, node: int, grace_s: float, log=print) -> bool:
         for name, f in _process_holders(run_dir, node)
         if f.get("launch") == launch and f.get("pid", "").isdigit()
     ]
-    if not orphans:
+    if not orphans:  # its processes are gone or on their way out, and what still holds the job lock inherited
+        # the dead launch's descriptor from them (a child that outlives its parent by a moment): wait for it
+        deadline = time.monotonic() + grace_s
+        while _held(job_lock) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return not _held(job_lock)
     listed = ", ".join(f"{name} pid {pid}" for name, pid in orphans)
     log(

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,33 @@ def test_launch_sh_job_info_imports_no_torch(tmp_path):
     run = subprocess.run([sys.executable, "-c", code, str(job)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "dflash-ring-j" in run.stdout
+
+
+def test_reclaim_waits_for_a_descendant_that_inherited_a_dead_launchs_lock(tmp_path):
+    """A launch that died leaves the job lock held by what inherited its descriptor after its own processes
+    have released their locks (seen once `joblock info` stopped importing torch and launch.sh reached its
+    flock 2.5 s sooner): reclaim waits for it within the grace instead of refusing the new launch (75)."""
+    from common.joblock import job_lock_path, reclaim
+
+    lock = job_lock_path(tmp_path, 0)
+    (tmp_path / "locks").mkdir()
+    lock.write_text("pid=999999999 start=x launch=deadbeef\n")  # a launch.sh pid that is gone
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX);"
+            " print('held', flush=True); time.sleep(1.5)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        assert reclaim(tmp_path, 0, grace_s=30.0, log=lambda *_: None)  # the old code returned False at once
+        assert time.monotonic() - start > 1.0  # it returned when the holder let go (1.5 s after "held")
+    finally:
+        holder.kill()
+        holder.wait(10)
