@@ -2,7 +2,7 @@
 
 `shard` puts `fully_shard` on each decoder layer and the root, so a replica holds 1/world of the weights,
 gradients and Adam moments. The step keeps its meaning: reduce-scatter SUMS the gradients (divide factor
-1; the step divides by the group's Σw as without sharding), clipping sees the global norm, a checkpoint
+1; the step divides by the group's normaliser as without sharding), clipping sees the global norm, a checkpoint
 holds full tensors in the unsharded format. What changes: FSDP's forward is collective, so a replica
 cannot run a batch when it arrives. The trainer `defer`s it, and at the step `run_passes` runs the step's
 batches in lockstep with the group, a replica with fewer batches running zero-weight stand-ins.
