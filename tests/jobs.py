@@ -19,6 +19,33 @@ from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_to
 _ASSETS: dict[str, Path] = {}
 
 
+def run_ranks(argv, ranks: int = 2, timeout: float = 300.0) -> list[str]:
+    """One gloo group run to its end: `python ARGV(rank, port)` for each rank, on one fresh loopback port, from
+    the repository with one OpenMP thread; every rank must exit 0 (the outputs' tails name the one that did
+    not). Returns their outputs."""
+    port = harness.free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *map(str, argv(rank, port))],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0] * ranks, "\n".join(f"rank {r}: {o[-3000:]}" for r, o in enumerate(outs))
+    return outs
+
+
 def launch(job: Path, *args: str, plan: Path | None = None) -> subprocess.Popen:
     """./launch.sh JOB ARGS as an operator runs it, in its own session (so a test can kill the whole group);
     `plan` replaces the job's processes by stand-ins (DFLASH_LAUNCH_PLAN_FILE)."""

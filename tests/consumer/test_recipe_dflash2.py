@@ -5,9 +5,6 @@ DFlash1 state dict (logits equal exactly), and FSDP (two gloo ranks) equal to th
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -315,7 +312,8 @@ def test_trainer_logs_the_selector_metrics_and_learns(tmp_path):
 def test_dflash2_under_fsdp_equals_the_unsharded_replicas(tmp_path):
     """Two gloo ranks: DFlash2 (convolutions in every layer unit, the selector its own unit) sharded by FSDP2
     takes the same steps as the unsharded replica path (tests/procs/fsdp_dflash2_worker.py)."""
-    from tests.consumer.test_scaleout_fsdp import assert_same_steps, free_port
+    from tests.consumer.test_scaleout_fsdp import assert_same_steps
+    from tests.jobs import run_ranks
 
     model = tiny_target(tmp_path / "target")
     batches = []
@@ -323,36 +321,18 @@ def test_dflash2_under_fsdp_equals_the_unsharded_replicas(tmp_path):
         seqs = distinct_seqs([24 + i, 30 - i], seed=i)
         batches.append((target_features(model, seqs), *packed(seqs)))
     torch.save(batches, tmp_path / "batches.pt")
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.procs.fsdp_dflash2_worker",
-                str(tmp_path / "target"),
-                str(tmp_path / "batches.pt"),
-                str(tmp_path),
-                str(rank),
-                "2",
-                str(port),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(f"rank {r}: {o[-3000:]}" for r, o in enumerate(outs))
+    run_ranks(
+        lambda rank, port: [
+            "-m",
+            "tests.procs.fsdp_dflash2_worker",
+            tmp_path / "target",
+            tmp_path / "batches.pt",
+            tmp_path,
+            rank,
+            2,
+            port,
+        ]
+    )
     r = torch.load(tmp_path / "result.pt", weights_only=True)
     assert len(r["fsdp"]) == len(r["replicas"]) == 3
     assert_same_steps(r["fsdp"], r["replicas"])

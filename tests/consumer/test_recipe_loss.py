@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +33,7 @@ from tests.consumer.test_drafter_common import (
     tiny_target,
 )
 from tests.consumer.test_drafter_loss import case, kernel_path, reference  # noqa: F401 (kernel_path: a fixture)
+from tests.jobs import run_ranks
 from tests.target_zoo import build_target, layer_outputs, load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,23 +209,8 @@ def test_dpace_step_over_two_rounds_equals_one_batch_and_an_independent_referenc
 def test_dpace_step_over_two_gloo_replicas_equals_one_replica_one_batch(split_case):
     tmp, batches = split_case
     torch.save({"target": str(tmp / "t"), "batches": batches}, tmp / "data.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
     code = "import sys; from tests.consumer.test_recipe_loss import replica_worker as w; w(int(sys.argv[1]), *sys.argv[2:])"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r), str(port), str(tmp / "data.pt"), str(tmp / f"r{r}.pt")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    run_ranks(lambda r, port: ["-c", code, r, port, tmp / "data.pt", tmp / f"r{r}.pt"], timeout=120)
     want = _step_grads(Trainer(_cfg(), load_target_parts(tmp / "t"), LAYER_IDS, "cpu"), [_merged(batches)])
     r0, r1 = (torch.load(tmp / f"r{r}.pt", weights_only=True) for r in range(2))
     for name, w in want.items():

@@ -5,15 +5,11 @@ is bit-exact, and the checkpoint is the unsharded format."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.harness import free_port
 from consumer.checkpoint import load_latest
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
@@ -25,6 +21,7 @@ from tests.consumer.test_drafter_common import (
     target_features,
     tiny_target,
 )
+from tests.jobs import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,31 +35,10 @@ def result(tmp_path_factory):
         seqs = distinct_seqs([24 + i, 30 - i], seed=i)
         batches.append((target_features(model, seqs), *packed(seqs)))
     torch.save(batches, tmp / "batches.pt")
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.procs.fsdp_worker",
-                str(tmp / "target"),
-                str(tmp / "batches.pt"),
-                str(tmp),
-                str(rank),
-                "2",
-                str(port),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(f"rank {r}: {o[-3000:]}" for r, o in enumerate(outs))
+    run_ranks(
+        lambda rank, port: ["-m", "tests.procs.fsdp_worker", tmp / "target", tmp / "batches.pt", tmp, rank, 2, port],
+        timeout=600,
+    )
     return tmp, torch.load(tmp / "result.pt", weights_only=True)
 
 

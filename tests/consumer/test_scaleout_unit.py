@@ -3,15 +3,11 @@ and two real gloo processes whose summed step equals one trainer's step over bot
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.harness import free_port
 from common.config import parse_job
 from common.launch_plan import plan
 from consumer.distributed import GroupEnv, GroupError, RoundFlags, _buckets
@@ -26,6 +22,7 @@ from tests.consumer.test_drafter_common import (
     target_features,
     tiny_target,
 )
+from tests.jobs import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,21 +150,8 @@ def test_two_gloo_replicas_step_exactly_like_one_trainer_over_both_batches(tmp_p
         ids, mask, cu = packed(seqs)
         batches.append((target_features(model, seqs), ids, mask, cu))
     torch.save({"target": str(tmp_path / "target"), "batches": batches}, tmp_path / "data.pt")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
     code = "import sys; from tests.consumer.test_scaleout_unit import worker; worker(int(sys.argv[1]), *sys.argv[2:])"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r), str(port), str(tmp_path / "data.pt"), str(tmp_path / f"r{r}.pt")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    run_ranks(lambda r, port: ["-c", code, r, port, tmp_path / "data.pt", tmp_path / f"r{r}.pt"], timeout=120)
 
     ref = Trainer(drafter_cfg(anchors_per_seq=64), load_target_parts(tmp_path / "target"), LAYER_IDS, "cpu")
     ref_steps = []
