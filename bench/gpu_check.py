@@ -89,7 +89,6 @@ def planned_memory() -> dict[str, float]:
     from common.packed_batch import required_slot_bytes
     from consumer.memory_plan import step_peak
     from consumer.model import DrafterArch
-    from consumer.target_parts import TargetParts
     from producer.memory_plan import forward_peak, prefix_of_every_kind, weight_bytes
 
     t = TARGET
@@ -114,21 +113,7 @@ def planned_memory() -> dict[str, float]:
             + slots * required_slot_bytes(tokens, width, "bfloat16")
         )
 
-    parts = TargetParts(
-        path=Path("."),
-        hidden_size=t["hidden_size"],
-        num_attention_heads=t["heads"],
-        num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"],
-        intermediate_size=t["intermediate_size"],
-        rms_norm_eps=1e-6,
-        vocab_size=t["vocab_size"],
-        num_hidden_layers=t["num_layers"],
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        embed_tokens=None,
-        lm_head=None,
-    )
+    parts = target_parts(Path("."))
 
     def drafter(layers: int, tokens: int) -> int:
         cfg = DrafterConfig(name="d", block_size=DRAFTER["block_size"], num_layers=layers)
@@ -157,6 +142,28 @@ def budget(stage: str) -> int:
 
 def log(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+
+
+def target_parts(path: Path, embed=None, lm_head=None):
+    """The check's target (TARGET: Qwen3-8B's shape) as the drafter sees it; `embed`/`lm_head` None for planning."""
+    from consumer.target_parts import TargetParts
+
+    t = TARGET
+    return TargetParts(
+        path=path,
+        hidden_size=t["hidden_size"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        intermediate_size=t["intermediate_size"],
+        rms_norm_eps=1e-6,
+        vocab_size=t["vocab_size"],
+        num_hidden_layers=t["num_layers"],
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        embed_tokens=embed,
+        lm_head=lm_head,
+    )
 
 
 def write_job(path: Path, run_dir: Path, assets: Path, data: str, epochs: int, tokens_per_batch: int) -> Path:

@@ -232,7 +232,6 @@ def stage_consumer(workdir: Path) -> dict:
 
     import torch
 
-    from consumer.target_parts import TargetParts
     from consumer.trainer import Trainer
     from telemetry.nvml import NvmlSampler
 
@@ -240,21 +239,7 @@ def stage_consumer(workdir: Path) -> dict:
     t = plan.TARGET
     torch.cuda.reset_peak_memory_stats()
     embed = torch.randn(t["vocab_size"], t["hidden_size"], dtype=torch.bfloat16, device="cuda") * 0.02
-    parts = TargetParts(
-        path=workdir / "assets" / "target",
-        hidden_size=t["hidden_size"],
-        num_attention_heads=t["heads"],
-        num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"],
-        intermediate_size=t["intermediate_size"],
-        rms_norm_eps=1e-6,
-        vocab_size=t["vocab_size"],
-        num_hidden_layers=t["num_layers"],
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        embed_tokens=embed,
-        lm_head=torch.randn_like(embed) * 0.02,
-    )
+    parts = plan.target_parts(workdir / "assets" / "target", embed, torch.randn_like(embed) * 0.02)
     # the job's tokens_per_batch sizes the anchor budget and flex's one compiled shape, as in the consumer
     trainer = Trainer(job.drafters[0], parts, plan.LAYER_IDS, "cuda:0", tokens_per_batch=job.data.tokens_per_batch)
     trainer.warmup()
