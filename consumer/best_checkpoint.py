@@ -4,7 +4,10 @@
     <ckpt_root>/best.json           {"checkpoint": "step_<N>", "step", "tau", "loss", "pass"}, replaced atomically
 
 Rule: a pass replaces the best only when its τ (tau_est on the held-out records) is strictly greater; a tie
-keeps the earlier checkpoint (fewer steps, same quality), a NaN never counts. best.json is written first
+keeps the earlier checkpoint (fewer steps, same quality), a NaN never counts. In a group of replicas one
+replica evaluates the pass and global rank 0 alone holds this record and writes, so the decision is taken
+from one all-gather of small rows (`vote_row`, `decide`): every replica sees the same rows and decides
+alike, and the save it may need is the group's collective checkpoint. best.json is written first
 and is the record: the pointer follows it, and a pointer a crash left behind is repointed at start. Resume
 reads best.json, so a worse pass after a restart does not replace the best. Pruning (consumer/checkpoint.py)
 never deletes the directory `best` points at.
@@ -37,9 +40,50 @@ class Best:
 
 def improves(tau: float, best: Best | None) -> bool:
     """Whether a pass of held-out `tau` replaces `best` (strictly greater; NaN never)."""
+    return beats(tau, best.tau if best is not None else math.nan)
+
+
+def beats(tau: float, best_tau: float) -> bool:
+    """Whether held-out `tau` replaces a best of `best_tau` (NaN: none yet): strictly greater; a NaN τ never."""
     if not isinstance(tau, (int, float)) or math.isnan(tau):
         return False
-    return best is None or tau > best.tau
+    return math.isnan(best_tau) or tau > best_tau
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A whole pass's figures, as the replica that evaluated it shares them with the group."""
+
+    pass_: int
+    step: int  # the optimizer step whose weights were evaluated
+    tau: float
+    loss: float
+
+
+# one replica's row of the all-gather: its pass (if it just completed one) and, from the writer, the record
+ROW = ("has_pass", "pass", "step", "tau", "loss", "best_tau", "step_saved")
+
+
+def vote_row(candidate: Candidate | None, best: Best | None, step_saved: bool) -> list[float]:
+    """This replica's row: `candidate` (None: it evaluated no whole pass this round); `best` and `step_saved`
+    (the current step's checkpoint is on disk) count from the writer only, the one that holds the record."""
+    pass_ = [1.0, candidate.pass_, candidate.step, candidate.tau, candidate.loss] if candidate else [0.0] * 5
+    return [*pass_, best.tau if best is not None else math.nan, float(step_saved)]
+
+
+def decide(rows: list[list[float]]) -> tuple[Candidate, bool] | None:
+    """From the all-gather's rows (rank order, row 0 the writer's): the pass that becomes the best and
+    whether its step must be saved first, or None. The latest pass if several replicas hold one; step 0
+    (untrained weights) never counts."""
+    held = [r for r in rows if r[0] == 1.0]
+    if not held:
+        return None
+    r = max(held, key=lambda r: r[1])  # the first of the latest pass: max keeps the first maximum
+    candidate = Candidate(int(r[1]), int(r[2]), float(r[3]), float(r[4]))
+    writer = rows[0]
+    if candidate.step == 0 or not beats(candidate.tau, writer[5]):
+        return None
+    return candidate, writer[6] != 1.0
 
 
 class BestCheckpoint:

@@ -255,7 +255,7 @@ def build_consumer(
 ) -> ConsumerService:
     """Production's service: checkpoints to the drafter's folder, the job log continued, the step trace."""
     root, trainer = training.checkpoints, training.trainer
-    evaluator, best = job_validation(job, trainer, group.world_size, root)  # data.validation passes
+    evaluator, best = job_validation(job, trainer, group.is_writer, root)  # data.validation passes
     return build_service(
         job,
         cfg,

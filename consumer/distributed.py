@@ -115,6 +115,8 @@ class RoundFlags:
     stop: int = 0  # asked to stop (SIGTERM/SIGINT): the group stops at this round
     producer_lost: int = 0
     rejected: int = 0
+    val_batch: int = 0  # holds a validation batch: the group evaluates this round (FSDP: in lockstep)
+    val_pass_ends: int = 0  # that batch is its pass's last: the group decides on `best` this round
 
     def to_tensor(self) -> Tensor:
         return torch.tensor(dataclasses.astuple(self), dtype=torch.int64)
@@ -300,6 +302,16 @@ class ReplicaGroup:
         for row, size in zip(rows, sizes, strict=True):
             merged.setdefault(int(row[0]), []).extend(row[1 : 1 + int(size)].tolist())
         return merged
+
+    def gather_rows(self, row: list[float]) -> list[list[float]]:
+        """Every replica's `row` (float64, one length everywhere), in rank order: small facts each replica
+        must see alike (consumer/best_checkpoint.py's decision on `best`)."""
+        if self.world_size == 1:
+            return [list(row)]
+        mine = torch.tensor(row, dtype=torch.float64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._collective("the validation all-gather", lambda: dist.all_gather(rows, mine))
+        return [r.tolist() for r in rows]
 
     def close(self) -> None:
         if self.initialised:

@@ -7,6 +7,12 @@ It runs in rounds (consumer/distributed.py says why): poll for one batch and tra
 backward), then one all-reduce of flags tells every replica of the drafter whether the round is complete,
 whether the group steps (tokens_per_step over the whole group; 0: every complete round), stops or fails.
 With one replica the flags are local and a round is one batch: the loop is the plain one.
+
+Validation batches (data.validation) are no training batches: a replica that receives one says so in its
+flags, and the group evaluates it that round, before the round closes (its holder runs it, the others stand
+in: FSDP's forward is collective); when it is its pass's last, one all-gather shares the pass and every
+replica takes the same decision on `best` (consumer/best_checkpoint.py), whose save is the usual collective
+one, of the weights just evaluated (no step has been taken since).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from common.profile import ProfileStats
 from common.startup import StartupBeat
 from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
-from consumer.best_checkpoint import BestCheckpoint
+from consumer.best_checkpoint import BestCheckpoint, decide, vote_row
 from consumer.checkpoint_state import checkpoint_state
 from consumer.distributed import GroupError, ReplicaGroup, RoundFlags, StepTrace
 from consumer.group_cursor import GroupCursor
@@ -36,7 +42,7 @@ from consumer.stream import (
     StreamEnd,
 )
 from consumer.trainer import NonFiniteTrainingError, Trainer
-from consumer.validation import Evaluator, PassResult, val_metrics
+from consumer.validation import Evaluator, PassResult, candidate, val_metrics
 
 log = logging.getLogger("consumer")
 
@@ -88,7 +94,8 @@ class ConsumerService:
         best: BestCheckpoint | None = None,
     ):
         """`evaluator`: runs the validation batches (consumer/validation.py; None: they are ignored, counted);
-        `best`: the best-checkpoint record a whole pass may update (consumer/best_checkpoint.py).
+        `best`: the best-checkpoint record a whole pass may update (consumer/best_checkpoint.py; the writer's
+        only, None on the other replicas).
         `save_checkpoint(state)` writes a checkpoint_state dict atomically; the caller binds where.
         `resume` holds where the group resumes (its cursor, from its checkpoint or fresh, one per producer of each
         node: `cursor.producers` target replicas feed this stream (consumer/fanin.py), producer p the seqs ≡ p);
@@ -125,6 +132,7 @@ class ConsumerService:
         self._startup: contextlib.ExitStack | None = None  # the "first batch" phase, until the first step
         self.evaluator = evaluator
         self.best = best
+        self._val_item: ReceivedBatch | None = None  # a validation batch, evaluated when its round syncs
 
     @property
     def cursor(self) -> GroupCursor:
@@ -151,6 +159,10 @@ class ConsumerService:
                 total = self.group.sync_round(self._flags())
                 if total.producer_lost or total.rejected:
                     return self._fail(total)
+                if total.val_batch:
+                    result = self._evaluate()  # before the round may step: the weights its pass reports
+                    if total.val_pass_ends:
+                        self._keep_best(result)
                 if total.complete(self.group.world_size):
                     self._close_round(total)
                 if total.stop:
@@ -216,8 +228,11 @@ class ConsumerService:
         if isinstance(item, StreamEnd):
             self._ended = item
         elif isinstance(item, ReceivedBatch):
-            if item.validation is not None:  # evaluated, never trained: no round, no step, no cursor
-                self._evaluate(item)
+            if item.validation is not None:  # evaluated this round, never trained: no step, no cursor
+                if self.evaluator is not None:
+                    self._val_item = item
+                elif self.prof:
+                    self.prof.count("val_ignored")
                 return
             if item.seq in self._skip:  # a resumed producer replays from the cursor: these were trained
                 self._skip.discard(item.seq)
@@ -231,6 +246,7 @@ class ConsumerService:
 
     def _flags(self) -> RoundFlags:
         starved = self._round is None and time.monotonic() - self._waiting_since >= self.idle_timeout_s
+        val = self._val_item.validation if self._val_item is not None else None  # (pass, index, count)
         return RoundFlags(
             has_batch=int(self._round is not None),
             ended=int(self._ended is not None),
@@ -239,6 +255,8 @@ class ConsumerService:
             stop=int(self._stop_reason is not None),
             producer_lost=int(self._fault is not None and self._fault[0] == "producer_lost"),
             rejected=int(self._fault is not None and self._fault[0] == "rejected"),
+            val_batch=int(val is not None),
+            val_pass_ends=int(val is not None and val[1] == val[2] - 1),
         )
 
     def _close_round(self, total: RoundFlags) -> None:
@@ -296,13 +314,15 @@ class ConsumerService:
             self.stats.maybe_publish(step=self.trainer.step)
 
     # ------------------------------------------------------------------------------------ validation
-    def _evaluate(self, item: ReceivedBatch) -> None:
-        """A validation batch: forward only (consumer/validation.py); a whole pass is logged, published,
-        written to the job log and may become the best checkpoint."""
-        if self.evaluator is None:
-            if self.prof:
-                self.prof.count("val_ignored")
-            return
+    def _evaluate(self) -> PassResult | None:
+        """The round's validation batch: forward only (consumer/validation.py), or a stand-in for the replica
+        that holds it; a whole pass is logged, published and written to the job log by its evaluator."""
+        item, self._val_item = self._val_item, None
+        if self.evaluator is None:  # passes ignored here (none configured): nothing to stand in for
+            return None
+        if item is None:
+            self.evaluator.stand_in()
+            return None
         start = time.perf_counter()
         result = self.evaluator.add(
             item.hidden, item.input_ids, item.loss_mask, item.cu_seqlens, item.sample_ids, item.validation
@@ -312,7 +332,7 @@ class ConsumerService:
             self.prof.count("val_batches")
             self.prof.count("val_tokens", item.input_ids.numel())
         if result is None:
-            return
+            return None
         m = result.metrics
         log.info(
             "%s validation pass %d at step %d: val_loss %.4f val_tau_est %.3f val_acc_slot_1 %.3f (%d records,"
@@ -333,27 +353,38 @@ class ConsumerService:
             self.prof.gauge("val_pass", float(result.pass_))
         if self.ledger:
             self.ledger.evaluated(result.pass_, result.step, result.samples, m["tau_est"])
-        self._keep_best(result)
         if self.stats:
             self.stats.maybe_publish(step=self.trainer.step)
+        return result
 
-    def _keep_best(self, result: PassResult) -> None:
-        """A pass that beats the best held-out τ: its weights (the last completed step's) saved, `best` moved."""
-        tau = result.metrics["tau_est"]
-        if self.best is None or result.step == 0 or not self.best.improves(tau):
-            return
-        name = f"step_{result.step}"
-        if self._saved_step != result.step or not (self.best.root / name).is_dir():
-            self._save("best held-out τ")  # the weights evaluated: the same step's
-        self.best.record(name, result.step, tau, result.metrics["loss"], result.pass_)
-        log.info(
-            "%s: best held-out τ %.3f (pass %d, step %d): %s",
-            self.name,
-            tau,
-            result.pass_,
-            result.step,
-            self.best.root / "best",
+    def _keep_best(self, result: PassResult | None) -> None:
+        """Collective: the round's whole pass (`result` on the replica that evaluated it, None elsewhere) is
+        shared with the group; one that beats the best held-out τ has its weights (this step's) saved and
+        `best` moved by the writer. Every replica takes the same decision from the same rows."""
+        step = self.trainer.step
+        on_disk = self.best is not None and self._saved_step == step and (self.best.root / f"step_{step}").is_dir()
+        rows = self.group.gather_rows(
+            vote_row(candidate(result) if result else None, self.best.best if self.best else None, on_disk)
         )
+        decision = decide(rows)
+        if decision is None:
+            return
+        won, save = decision
+        if won.step != step:  # a pass shares in the round it ends, before any step: never expected
+            log.warning("%s: pass %d evaluated step %d, not %d: no best from it", self.name, won.pass_, won.step, step)
+            return
+        if save:
+            self._save("best held-out τ")  # the weights evaluated: the same step's
+        if self.best is not None:
+            self.best.record(f"step_{step}", step, won.tau, won.loss, won.pass_)
+            log.info(
+                "%s: best held-out τ %.3f (pass %d, step %d): %s",
+                self.name,
+                won.tau,
+                won.pass_,
+                step,
+                self.best.root / "best",
+            )
 
     # ------------------------------------------------------------------------------------ checkpoints, end
     def _save(self, reason: str) -> None:

@@ -7,6 +7,11 @@ like) and the training generator, the gradients and the metrics of training batc
 with validation trains the weights it trains without. When the pass's last batch is in, its metrics
 (`DraftMetrics`: loss, acc_slot_k, tau_est) are read once (one device sync per pass) and returned.
 A pass missing a batch (the stream re-attached meanwhile) is dropped whole, logged, and never counted.
+
+A group evaluates a batch in the round it arrives (consumer/service.py): the replica holding it runs `add`,
+the others `stand_in`. Unsharded, a stand-in is nothing; under FSDP, whose forward is collective, it is one
+forward of the trainer's zero-weight stand-in batch, so every replica runs exactly one forward that round
+(`add` runs one too when it drops a batch).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from consumer.best_checkpoint import BestCheckpoint
+from consumer.best_checkpoint import BestCheckpoint, Candidate
+from consumer.distributed import collective
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 
 log = logging.getLogger("consumer")
@@ -68,9 +74,10 @@ class Evaluator:
                     count,
                 )
             self._reset(pass_)
-            if index != 0:
-                return None  # joined a pass in the middle: wait for the next one
-        self._forward(hidden, input_ids, loss_mask, cu_seqlens, index)
+            if index != 0:  # joined a pass in the middle: wait for the next one
+                self.stand_in()
+                return None
+        self._in_lockstep(lambda: self._add(hidden, input_ids, loss_mask, cu_seqlens, index))
         self._seen += 1
         self._samples.extend(int(s) for s in sample_ids)
         self._tokens += int(input_ids.numel())
@@ -84,9 +91,30 @@ class Evaluator:
         self.metrics.sums.zero_()
         self._pass, self._seen, self._samples, self._tokens = pass_, 0, [], 0
 
-    def _forward(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, index: int) -> None:
-        tr, cfg = self.trainer, self.trainer.cfg
+    def stand_in(self) -> None:
+        """This replica's part of a round in which another evaluates: under FSDP one forward of the stand-in
+        batch (its weight and figures discarded), unsharded nothing."""
+        fsdp = self.trainer.fsdp
+        if fsdp is not None:
+            self._in_lockstep(lambda: self._loss(*fsdp.stand_in, fsdp.generator.manual_seed(0)))
+
+    def _in_lockstep(self, forward) -> None:
+        """Under FSDP the forward is a collective: a failed one is the group's GroupError, named."""
+        if self.trainer.fsdp is None:
+            forward()
+        else:
+            collective(f"drafter {self.trainer.cfg.name}", "a validation forward", forward)
+
+    def _add(self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, index: int) -> None:
+        tr = self.trainer
         generator = torch.Generator(device=tr.device).manual_seed((tr.seed * 1_000_003 + ANCHOR_STREAM + index) % 2**63)
+        self.metrics.add(*self._loss(hidden, input_ids, loss_mask, cu_seqlens, generator))  # val_loss reads as loss
+
+    def _loss(
+        self, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(Σ w·CE, correct, weights, normaliser) of one batch under the drafter's objective, no gradient."""
+        tr, cfg = self.trainer, self.trainer.cfg
         autocast = (
             torch.autocast(tr.device.type, dtype=tr.autocast_dtype)
             if tr.autocast_dtype is not None
@@ -100,7 +128,12 @@ class Evaluator:
                 loss_sum, correct = chunked_lm_head_loss(
                     out, tr.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, tr.slot_loss
                 )
-            self.metrics.add(loss_sum, correct, weights, tr.slot_loss.normaliser(weights))  # val_loss reads as loss
+            return loss_sum, correct, weights, tr.slot_loss.normaliser(weights)
+
+
+def candidate(result: PassResult) -> Candidate:
+    """What the group decides `best` on (consumer/best_checkpoint.py)."""
+    return Candidate(result.pass_, result.step, result.metrics["tau_est"], result.metrics["loss"])
 
 
 def val_metrics(result: PassResult) -> dict[str, float]:
@@ -108,23 +141,13 @@ def val_metrics(result: PassResult) -> dict[str, float]:
     return {f"val_{k}": v for k, v in result.metrics.items()}
 
 
-def job_validation(job, trainer, world_size: int, ckpt_root) -> tuple[Evaluator | None, BestCheckpoint | None]:
-    """The evaluator and best-checkpoint record of a drafter process of `job` (both None without validation)."""
+def job_validation(job, trainer, is_writer: bool, ckpt_root) -> tuple[Evaluator | None, BestCheckpoint | None]:
+    """The evaluator and best-checkpoint record of a drafter process of `job` (both None without validation).
+    Every replica evaluates (the one a pass's batches reach; the others stand in, consumer/service.py); the
+    checkpoint writer (`is_writer`, global rank 0) alone holds the record."""
     if job.data.validation is None or not job.data.eval_every:
         return None, None
-    if trainer.mesh is not None:
-        log.warning(
-            'drafter %s: validation batches are ignored under distributed = "fsdp" (its forward is'
-            " collective, and only one replica receives them)",
-            trainer.cfg.name,
-        )
-        return None, None
-    if world_size > 1:
-        log.warning(
-            "drafter %s: its lowest live replica evaluates the validation passes and logs them; a best"
-            " checkpoint is kept for single-replica drafters only",
-            trainer.cfg.name,
-        )
+    if not is_writer:
         return Evaluator(trainer), None
     best = BestCheckpoint(ckpt_root)
     if best.best is not None:

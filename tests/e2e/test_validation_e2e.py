@@ -1,5 +1,6 @@
-"""A job with a held-out split, its telemetry, producer and consumer as real processes: the validation passes
-reach metrics.jsonl and the plot, `best` follows the highest held-out τ, the audit passes."""
+"""A job with a held-out split, its telemetry, producer and consumers as real processes: the validation passes
+reach metrics.jsonl and the plot, `best` follows the highest held-out τ, the audit passes. Drafter d0 has one
+replica; d1 has two (a gloo group): its passes reach one replica, and the writer keeps `best`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 
 import pytest
 
-from bench.harness import spawn
+from bench.harness import free_port, spawn
 from common.accounting_check import check_run, read_records
 from common.checkpoint_pointer import BEST, read_pointer
 from producer.validation import split_held_out
@@ -27,6 +28,7 @@ DRAFTER = {
     "lr": 3e-3,
 }
 EVAL_EVERY = 6
+GROUP = {**DRAFTER, "name": "d1", "replicas": 2}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def assets(tmp_path_factory):
 def test_a_job_with_a_held_out_split_logs_val_metrics_keeps_the_best_and_audits(assets, tmp_path):
     job = write_job(
         assets,
-        drafters=[DRAFTER],
+        drafters=[DRAFTER, GROUP],
         tokens_per_batch=2048,
         name="val",
         overrides={
@@ -47,15 +49,20 @@ def test_a_job_with_a_held_out_split_logs_val_metrics_keeps_the_best_and_audits(
         },
     )
     run = job.parent
-    logs = {name: tmp_path / f"{name}.log" for name in ("telemetry", "producer", "consumer")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("telemetry", "producer", "consumer", "d1_r0", "d1_r1")}
     telemetry = spawn(["-m", "telemetry", "--job", job], logs["telemetry"])
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     workers = [
         spawn(["-m", "producer", "--job", job], logs["producer"]),
         spawn(["-m", "consumer", "--job", job, "--drafter", "d0"], logs["consumer"]),
+        *(
+            spawn(["-m", "consumer", "--job", job, "--drafter", "d1", "--replica", r], logs[f"d1_r{r}"], env=group)
+            for r in (0, 1)
+        ),
     ]
     out = "".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in logs.values())
     try:
-        assert wait_all(workers, timeout=420) == [0, 0], out
+        assert wait_all(workers, timeout=420) == [0] * 4, out
     finally:
         telemetry.send_signal(signal.SIGTERM)  # its final window, then exit
         assert wait_all([telemetry], timeout=60) == [0]
@@ -68,7 +75,7 @@ def test_a_job_with_a_held_out_split_logs_val_metrics_keeps_the_best_and_audits(
     trained = {s for r in records if r["kind"] == "batch" for s in r["samples"]}
     assert trained == set(range(240)) - set(held)  # every other record trained, no held-out one
 
-    passes = [r for r in records if r["kind"] == "evaluation"]
+    passes = [r for r in records if r["kind"] == "evaluation" and r["drafter"] == "d0"]
     want_steps = [*range(EVAL_EVERY, total, EVAL_EVERY), total]  # one batch a step; the end of the data has one
     # (a consumer that stalls past the heartbeat bound right after a boundary has that pass again: same step)
     assert sorted({(r["pass"], r["step"]) for r in passes}) == list(enumerate(want_steps, start=1)), out[-3000:]
@@ -106,3 +113,13 @@ def test_a_job_with_a_held_out_split_logs_val_metrics_keeps_the_best_and_audits(
     assert curve and {s for s, _ in curve} <= set(want_steps)  # the held-out curve: one point per pass
     assert all(abs(tau - next(r["tau"] for r in passes if r["step"] == s)) < 1e-9 for s, tau in curve)
     assert plot_training(run / "telemetry" / "metrics.jsonl", tmp_path / "training.png").stat().st_size > 10_000
+
+    # d1, two replicas: each pass evaluated once (by one replica), its best kept by the writer, audited
+    group_passes = [r for r in records if r["kind"] == "evaluation" and r["drafter"] == "d1"]
+    assert sorted({r["pass"] for r in group_passes}) == list(range(1, len(want_steps) + 1)), out[-3000:]
+    d1 = report.drafters["d1"]
+    assert d1.complete and (d1.validation.passes_sent, d1.validation.held_out_trained) == (len(want_steps), 0)
+    top = max(group_passes, key=lambda r: (r["tau"], -r["step"]))
+    record = json.loads((run / "checkpoints" / "d1" / "best.json").read_text())
+    assert (record["step"], record["tau"]) == (top["step"], top["tau"]), out[-3000:]
+    assert (run / "checkpoints" / "d1" / "best" / "model.safetensors").is_file()
