@@ -1,13 +1,13 @@
 """The producer loop: data → target forward → slot → BATCH to every drafter group → releases.
 
 One target forward serves every drafter. The loop reads top to bottom in `run()`; message handling,
-slot waits and the end of the job are the helpers below it. Every wait is a poll with a timeout.
+slot waits and the end of the job are the helpers below it; evaluation passes are run by
+producer/validation_passes.py where the loop says one may be due. Every wait is a poll with a timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -31,6 +31,7 @@ from producer.slot_table import SlotTable
 from producer.target import TargetCapture
 from producer.tp import LeaderTarget
 from producer.validation import HeldOut
+from producer.validation_passes import ValidationPasses
 
 log = logging.getLogger("producer")
 
@@ -44,7 +45,6 @@ class ProducerCounters:
     stale_messages: int = 0
     fenced: int = 0
     rejected_hellos: int = 0  # HELLOs that do not fit the job (drafter, replica, node, launch)
-    val_batches: int = 0  # validation batches sent (evaluation passes, producer/validation.py)
 
 
 def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
@@ -87,7 +87,7 @@ class ProducerService:
         launch this producer belongs to (common/joblock.py), which every HELLO must carry; `node`: its node rank;
         `replica`: which target replica it is (it makes the seqs replica, replica + replicas, ... of the plan);
         `ring`: made by `create_ring` before the target loaded (None: made here), owned by the service now;
-        `held_out`: the validation records whose passes this producer runs (producer/validation.py)."""
+        `held_out`: the validation records whose passes this producer runs (producer/validation_passes.py)."""
         self.job = job
         self.launch_id = launch_id
         self.node = node
@@ -144,10 +144,16 @@ class ProducerService:
         self._stream_next = -1
         self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
         self._abandoned: list[str] = []  # groups the job ended without (skip mode, none came back in time)
-        self.held_out = held_out if held_out is not None and held_out.eval_every else None
-        self._val_batches = self.held_out.packed() if self.held_out else []  # the same every pass
-        self._val_done: dict[str, int] = {}  # per drafter: the passes its group had (or resumed past)
-        self._val_seq = -1  # validation batches take seqs -2, -3, ... (slot tags; -1 marks a slot being written)
+        self.validation = ValidationPasses(
+            held_out=held_out,
+            delivery=self.delivery,
+            table=self.table,
+            channel=self.channel,
+            free_slot=self._free_slot,
+            write_slot=self._write_slot,
+            ledger=ledger,
+            prof=prof,
+        )
         log.info(
             "ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
             job.transport_kind,
@@ -174,7 +180,7 @@ class ProducerService:
                 if seq is None:  # a group without members holds us back (block mode)
                     self._timed_wait("wait_consumers")
                     continue
-                self._validation_due()  # a pass a (re)formed group is due before its next batch
+                self.validation.run_due()  # a pass a (re)formed group is due before its next batch
                 slot = self._acquire_slot()
                 if slot is None:
                     continue  # stop requested, or the recipients changed while we waited
@@ -263,7 +269,7 @@ class ProducerService:
             self.prof.count("tokens", int(batch.input_ids.shape[0]))
             self.prof.count("sequences", len(batch.sample_ids))
             self.prof.count("loss_tokens", max(num_loss, 0))
-        self._validation_due()  # before END: the end of the data has its pass
+        self.validation.run_due()  # before END: the end of the data has its pass
         for g in self.delivery.groups.values():
             if g.ended:
                 self._end_group(g.drafter)
@@ -271,10 +277,7 @@ class ProducerService:
     def _acquire_slot(self) -> int | None:
         """A free slot; waits (back-pressure, timed) while every slot is held by consumers."""
         start = time.perf_counter()
-        slot = self.table.acquire()
-        while slot is None and self._stop_reason is None:
-            self._handle_messages(timeout_s=POLL_S)
-            slot = self.table.acquire()
+        slot = self._free_slot()
         if self.prof:
             self.prof.add("wait_slot", time.perf_counter() - start)
         if slot is not None and self.delivery.next_seq() is None:
@@ -282,73 +285,13 @@ class ProducerService:
             return None
         return slot
 
-    # ------------------------------------------------------------------------------------ validation passes
-    def _validation_due(self) -> None:
-        """Run the evaluation passes the groups reached (producer/validation.py says when); groups due the same
-        pass share its forwards. Each batch goes to the lowest live replica of each such group."""
-        if self.held_out is None:
-            return
-        due: dict[int, list[str]] = {}
-        for g in self.delivery.groups.values():
-            if g.cursor is not None and g.live():
-                k = self.held_out.passes_at(g.cursor, self.delivery.total_batches)
-                if k > self._val_done.get(g.drafter, 0):
-                    due.setdefault(k, []).append(g.drafter)
-        for k, drafters in sorted(due.items()):
-            self._validation_pass(k, drafters)
-
-    def _validation_pass(self, k: int, drafters: list[str]) -> None:
-        start = time.perf_counter()
-        for d in drafters:
-            self._val_done[d] = k
-        members = [self.delivery.groups[d].live()[0] for d in drafters]
-        count, tokens = len(self._val_batches), 0
-        for i, held in enumerate(self._val_batches):
+    def _free_slot(self) -> int | None:
+        """A free slot, waiting (back-pressure: serving messages) while consumers hold every one; None on a stop."""
+        slot = self.table.acquire()
+        while slot is None and self._stop_reason is None:
+            self._handle_messages(timeout_s=POLL_S)
             slot = self.table.acquire()
-            while slot is None and self._stop_reason is None:  # back-pressure, as for training batches
-                self._handle_messages(timeout_s=POLL_S)
-                slot = self.table.acquire()
-            if slot is None:
-                return  # stopping
-            self._val_seq -= 1
-            batch = dataclasses.replace(held, seq=self._val_seq)
-            layout = self._write_slot(slot, batch)
-            live = [m for m in members if self.delivery.by_peer.get(m.peer) is m and m.attached]
-            if not live:  # every recipient was fenced meanwhile
-                self.table.abort(slot)
-                return
-            if self.ledger:
-                self.ledger.validated(k, i, batch.sample_ids, [(m.drafter, m.replica, m.epoch) for m in live])
-            wire, T = layout_to_wire(layout), batch.num_tokens
-            for m in live:
-                self.channel.send(
-                    m.peer,
-                    Batch(
-                        m.epoch,
-                        batch.seq,
-                        slot,
-                        0,
-                        wire,
-                        list(batch.sample_ids),
-                        T,
-                        int(batch.loss_mask.sum()),
-                        k,
-                        i,
-                        count,
-                    ),
-                )
-            self.table.publish(slot, batch.seq, [m.peer for m in live])
-            self.counters.val_batches += 1
-            tokens += T
-            if self.prof:
-                self.prof.count("val_batches")
-                self.prof.count("val_tokens", T)
-        elapsed = time.perf_counter() - start
-        if self.prof:
-            self.prof.add("validation", elapsed)
-        log.info(
-            "validation pass %d for %s: %d batches, %d tokens in %.2f s", k, ", ".join(drafters), count, tokens, elapsed
-        )
+        return slot
 
     # ------------------------------------------------------------------------------------ messages
     def _handle_messages(self, timeout_s: float) -> None:
@@ -382,12 +325,8 @@ class ProducerService:
                     member.pid,
                     group.cursor,
                 )
-                if self.held_out and len(group.live()) == 1:
-                    # the group (re)formed: passes due below its cursor were had; one due at the cursor itself may
-                    # not have been evaluated (a consumer stalled or restarted right after its boundary): again
-                    self._val_done[member.drafter] = self.held_out.passes_at(
-                        max(group.cursor - 1, 0), self.delivery.total_batches
-                    )
+                if len(group.live()) == 1:  # the group (re)formed
+                    self.validation.group_formed(member.drafter, group.cursor)
                 if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
                     log.warning(
                         "%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
