@@ -138,7 +138,7 @@ def test_muon_checkpoint_resume_is_bit_exact(case):
 
 
 def test_muon_under_fsdp_loads_as_written(tmp_path):
-    """Issue 27: no longer refused (the FSDP gather and resume carry Muon's state)."""
+    """No longer refused: the FSDP gather and resume carry Muon's state."""
     path = tmp_path / "job.toml"
     path.write_text("""
 [target]

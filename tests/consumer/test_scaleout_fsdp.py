@@ -1,7 +1,7 @@
 """distributed = "fsdp" (FSDP2, issue 13 item 9) with two gloo processes on the CPU: parameters after every
 step equal the unsharded replica path's within fp32 tolerance (join semantics and gradient accumulation
 included, and batches taken through the real BatchStream with a step of three rounds), checkpoint -> resume
-is bit-exact, and the checkpoint is the unsharded format; the same for optimizer = "muon" (issue 27), through a
+is bit-exact, and the checkpoint is the unsharded format; the same for optimizer = "muon", through a
 skipped non-finite step, with checkpoints crossing between FSDP and the unsharded replicas both ways."""
 
 from __future__ import annotations
