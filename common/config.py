@@ -273,24 +273,13 @@ class DrafterConfig(_Section):
     loss: Literal["dpace", "decay"] = "dpace"
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5  # D-PACE smoothing α in (0, 1] (ModelOpt: 0.3-0.7)
     # "muon": torch.optim.Muon for the hidden 2-D matrices, AdamW (lr, betas, weight_decay) for the rest
-    # (consumer/optim.py); "adamw": AdamW for everything
+    # (consumer/optim.py), with any `distributed` (under "fsdp" on row shards); "adamw": AdamW for everything
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: Annotated[float, Field(gt=0)] | None = None  # default: lr (match_rms_adamw makes AdamW's lr carry over)
     muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
     muon_weight_decay: Annotated[float, Field(ge=0)] = 0.1
     muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-
-    @model_validator(mode="after")
-    def _muon_is_not_sharded(self) -> DrafterConfig:
-        if self.optimizer == "muon" and self.distributed == "fsdp":
-            raise ValueError(
-                "optimizer = 'muon' cannot train with distributed = 'fsdp' yet: torch's Muon on FSDP2 row shards"
-                " does compute the whole matrix's Newton-Schulz (DTensor gathers it), but the FSDP checkpoint"
-                " gather and sharded resume (consumer/fsdp_lockstep.py) handle AdamW's state only, so such a run could"
-                " not resume; use distributed = 'ddp' or optimizer = 'adamw'"
-            )
-        return self
 
     @model_validator(mode="after")
     def _devices_match_replicas(self) -> DrafterConfig:

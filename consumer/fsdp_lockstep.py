@@ -1,11 +1,12 @@
 """FSDP2 for one drafter's trainer: sharding, the step's passes in lockstep, and the full state for checkpoints.
 
 `shard` puts `fully_shard` on each decoder layer and the root, so a replica holds 1/world of the weights,
-gradients and Adam moments. The step keeps its meaning: reduce-scatter SUMS the gradients (divide factor
-1; the step divides by the group's normaliser as without sharding), clipping sees the global norm, a checkpoint
-holds full tensors in the unsharded format. What changes: FSDP's forward is collective, so a replica
-cannot run a batch when it arrives. The trainer `defer`s it, and at the step `run_passes` runs the step's
-batches in lockstep with the group, a replica with fewer batches running zero-weight stand-ins.
+gradients and optimizer state (Adam's moments, Muon's momentum). The step keeps its meaning: reduce-scatter
+SUMS the gradients (divide factor 1; the step divides by the group's normaliser as without sharding),
+clipping sees the global norm, a checkpoint holds full tensors in the unsharded format. What changes: FSDP's
+forward is collective, so a replica cannot run a batch when it arrives. The trainer `defer`s it, and at the
+step `run_passes` runs the step's batches in lockstep with the group, a replica with fewer batches running
+zero-weight stand-ins.
 
 Every call here that talks to the group is collective (every replica calls it, in the same order), and a
 failed one raises GroupError naming what it was (consumer/distributed.py: `collective`).
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from consumer.checkpoint_state import cpu_copy
 from consumer.distributed import collective
+from consumer.optim import map_torch_states
 
 Batch = tuple[Tensor, Tensor, Tensor, Tensor]  # hidden, input_ids, loss_mask, cu_seqlens
 
@@ -91,19 +93,22 @@ class FsdpLockstep:
         self.deferred.clear()
 
     def gather_full_state(self, model, optimizer, rng: Tensor, keep: bool) -> tuple[dict, dict, Tensor] | None:
-        """Collective: the full weights and Adam moments, gathered tensor by tensor to the CPU in the unsharded
-        format, and every replica's anchor RNG state `rng` stacked ([world, n]: each drew for its own batches,
-        a bit-exact resume needs them all). Only the replica with `keep` (the writer) holds the result."""
+        """Collective: the full weights and optimizer state (AdamW's moments; with Muon also its momentum
+        buffers), gathered tensor by tensor to the CPU in the unsharded format, and every replica's anchor RNG
+        state `rng` stacked ([world, n]: each drew for its own batches, a bit-exact resume needs them all).
+        Only the replica with `keep` (the writer) holds the result."""
         from torch.distributed.tensor import DTensor
 
         def full(t):
             t = t.full_tensor() if isinstance(t, DTensor) else t  # collective: every replica takes part
             return cpu_copy(t) if keep else None
 
+        def full_torch_state(_, sd: dict) -> dict:
+            return {**sd, "state": {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}}
+
         def gather():
             weights = {k: full(v) for k, v in model.state_dict().items()}
-            optim = optimizer.state_dict()
-            optim = {**optim, "state": {i: {k: full(v) for k, v in st.items()} for i, st in optim["state"].items()}}
+            optim = map_torch_states(optimizer, optimizer.state_dict(), full_torch_state)
             rngs = [torch.empty_like(rng) for _ in range(self.mesh.size())]
             dist.all_gather(rngs, rng, group=self.mesh.get_group())
             return weights, cpu_copy(optim), torch.stack(rngs)
@@ -112,7 +117,9 @@ class FsdpLockstep:
         return gathered if keep else None
 
     def load_full_state(self, model, optimizer, weights: dict, optim: dict) -> None:
-        """Cut this replica's shards out of full tensors (every replica holds the same full state)."""
+        """Cut this replica's shards out of full tensors (every replica holds the same full state): the weights,
+        and each torch optimizer's per-parameter tensors of its parameter's shape (Adam's moments, Muon's
+        momentum; scalars such as Adam's step stay whole)."""
         from torch.distributed.tensor import distribute_tensor
 
         def shard_like(full: Tensor, p) -> Tensor:
@@ -127,15 +134,19 @@ class FsdpLockstep:
         with torch.no_grad():
             for name, p in names.items():
                 p.copy_(shard_like(weights[name], p))
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {
-            i: {
-                k: shard_like(v, params[i]) if torch.is_tensor(v) and v.shape == params[i].shape and v.ndim else v
-                for k, v in st.items()
+
+        def sharded_torch_state(torch_optimizer, sd: dict) -> dict:
+            params = [p for group in torch_optimizer.param_groups for p in group["params"]]
+            state = {
+                i: {
+                    k: shard_like(v, params[i]) if torch.is_tensor(v) and v.shape == params[i].shape and v.ndim else v
+                    for k, v in st.items()
+                }
+                for i, st in sd["state"].items()
             }
-            for i, st in optim["state"].items()
-        }
-        optimizer.load_state_dict({**optim, "state": state})
+            return {**sd, "state": state}
+
+        optimizer.load_state_dict(map_torch_states(optimizer, optim, sharded_torch_state))
 
     def own_rng(self, state: dict) -> Tensor | None:
         """This replica's anchor RNG from a state gathered under the same world size (None: another size)."""

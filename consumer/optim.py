@@ -7,7 +7,12 @@ tensors, codebooks). The two step together as one optimizer (`MuonWithAdamW`) an
 each optimizer's own LambdaLR with the same factor (`Schedules`).
 
 A non-finite step is skipped as fused AdamW skips it (`found_inf`, no device sync): torch's Muon has no
-such flag, so its parameters and momentum are restored from a copy taken before its update, on the device.
+such flag, so its parameters and momentum are restored from a copy taken before its update, on the device
+(under FSDP each replica restores its own shards: no collective).
+
+Under FSDP (distributed = "fsdp") the parameters are DTensor row shards and torch's Muon still computes
+each whole matrix's Newton-Schulz (DTensor gathers what it needs); a checkpoint holds each torch
+optimizer's state as full tensors (consumer/fsdp_lockstep.py, through `map_torch_states`): the unsharded format.
 """
 
 from __future__ import annotations
@@ -56,13 +61,17 @@ class MuonWithAdamW:
             return
         params = [p for g in self.muon.param_groups for p in g["params"] if p.grad is not None]
         for p in params:  # the buffers Muon would create lazily, created now so that they are restored too
-            self.muon.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-        state = [*params, *(self.muon.state[p]["momentum_buffer"] for p in params)]
+            self.muon.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+        state = [_local(t) for t in (*params, *(self.muon.state[p]["momentum_buffer"] for p in params))]
         before = [t.clone() for t in state]
         self.muon.step()
         skip = self.found_inf > 0
         for t, old in zip(state, before, strict=True):
             t.copy_(torch.where(skip, old, t))
+
+    def torch_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Each torch optimizer under its key in state_dict()."""
+        return {"muon": self.muon, "adamw": self.adamw}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.muon.zero_grad(set_to_none=set_to_none)
@@ -74,6 +83,21 @@ class MuonWithAdamW:
     def load_state_dict(self, state: dict) -> None:
         self.muon.load_state_dict(state["muon"])
         self.adamw.load_state_dict(state["adamw"])
+
+
+def _local(t: Tensor) -> Tensor:
+    """This replica's shard of a DTensor (its storage: writes land in the DTensor), else `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def map_torch_states(optimizer, state: dict, fn: Callable[[torch.optim.Optimizer, dict], dict]) -> dict:
+    """`state` (an optimizer.state_dict() of this module's optimizers) with `fn(torch_optimizer, its state dict)`
+    in place of each torch optimizer's part: AdamW's whole dict, or MuonWithAdamW's "muon" and "adamw"."""
+    if isinstance(optimizer, MuonWithAdamW):
+        return {key: fn(o, state[key]) for key, o in optimizer.torch_optimizers().items()}
+    return fn(optimizer, state)
 
 
 def check_optimizer_state(cfg: DrafterConfig, state: dict, source: str) -> None:

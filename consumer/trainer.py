@@ -198,7 +198,7 @@ class Trainer:
 
     def shard(self, mesh) -> None:
         """FSDP2 over `mesh` (consumer/fsdp_lockstep.py): a replica holds 1/world of the weights, gradients and
-        Adam moments; batches wait for the step, which runs them in lockstep with the group. Call on every
+        optimizer state; batches wait for the step, which runs them in lockstep with the group. Call on every
         replica, before any step or state load, with identical weights everywhere."""
         if self.step or self._pending_tokens:
             raise RuntimeError(f"drafter {self.cfg.name}: shard() after training started")
@@ -424,7 +424,7 @@ class Trainer:
 
     def gather_state(self, keep: bool) -> dict | None:
         """state_dict() for the process that keeps it (`keep`: the checkpoint writer), None for the others.
-        Under FSDP a collective that every replica calls together: the full weights and Adam moments, and
+        Under FSDP a collective that every replica calls together: the full weights and optimizer state, and
         every replica's anchor RNG ("rng_replicas", row r replica r's), gathered to the CPU."""
         if self.fsdp is None:
             return self.state_dict() if keep else None

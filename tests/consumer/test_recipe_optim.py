@@ -1,6 +1,6 @@
 """optimizer = "muon" (issue 20 item 3): which parameters Muon gets, that one step is torch's Muon plus AdamW
 with the configured values and one schedule, that a non-finite step changes nothing, that checkpoint ->
-resume is bit-exact, and that FSDP with Muon is refused at validation with the reason."""
+resume is bit-exact, and that FSDP with Muon loads (its sharded training: tests/consumer/test_scaleout_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from common.config import ConfigError, DrafterConfig, load_job
+from common.config import DrafterConfig, load_job
 from consumer.checkpoint import load_latest, save_checkpoint
 from consumer.optim import is_muon_param
 from consumer.target_parts import load_target_parts
@@ -137,7 +137,8 @@ def test_muon_checkpoint_resume_is_bit_exact(case):
         adamw.load_state_dict(load_latest(tmp / "ckpt").state, source="the ckpt")
 
 
-def test_muon_under_fsdp_is_refused_at_validation_with_the_reason(tmp_path):
+def test_muon_under_fsdp_loads_as_written(tmp_path):
+    """No longer refused: the FSDP gather and resume carry Muon's state."""
     path = tmp_path / "job.toml"
     path.write_text("""
 [target]
@@ -149,6 +150,7 @@ name = "d0"
 replicas = 2
 distributed = "fsdp"
 optimizer = "muon"
+muon_momentum = 0.9
 """)
-    with pytest.raises(ConfigError, match=r"drafters\.0.*FSDP checkpoint gather and sharded resume"):
-        load_job(path)
+    (drafter,) = load_job(path).drafters
+    assert (drafter.optimizer, drafter.distributed, drafter.replicas, drafter.muon_momentum) == ("muon", "fsdp", 2, 0.9)

@@ -9,9 +9,11 @@ as ConsumerService feeds the trainer. Rank 0 saves what the test compares.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import threading
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -41,6 +43,9 @@ SCHEDULE = [
     {0: [4], 1: [5]},
 ]
 RESUME_AT = 3  # steps before the checkpoint in the resumed run
+NAN_BATCH = 8  # the worker's copy of batch 0 with a NaN in its hidden states: the step that trains it is skipped
+# optimizer = "muon": the same schedule with a non-finite batch in step 5, after the resume point
+MUON_SCHEDULE = [*SCHEDULE[:4], {0: [NAN_BATCH, 1], 1: [2, 3]}, SCHEDULE[5]]
 # tokens_per_step spanning three rounds: each rank's three batches of a step come one per round
 STREAM_SCHEDULE = [
     {0: [0, 1, 2], 1: [3, 4, 5]},
@@ -84,6 +89,30 @@ def serve_batches(channel: ProducerChannel, ring: SlotRing, batches: list, order
         channel.send(hello.peer, Batch(1, seq, slot, 0, layout_to_wire(layout), [seq], input_ids.numel(), -1))
 
 
+def newton_schulz_float32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
+    """torch's Muon orthogonalisation (torch/optim/_muon.py `_zeropower_via_newtonschulz`) in float32, not
+    bfloat16. The replicas and FSDP sum gradients in different orders; in bf16 the quintic turns that fp32
+    rounding into bf16 flips (measured on this schedule: weights |Δ| 1.9e-4 after one step, 4.4e-3 after
+    four, when training moved them 2.2e-2); in float32 the two stay within 3.1e-7 over six steps, so what
+    the test compares is the sharding, not the NS's rounding."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def float32_newton_schulz():
+    with unittest.mock.patch("torch.optim._muon._zeropower_via_newtonschulz", newton_schulz_float32):
+        yield
+
+
 def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
@@ -94,11 +123,14 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     group = ReplicaGroup(env, torch.device("cpu"), timeout_s=300)
     parts = load_target_parts(target)
     batches = torch.load(batches_path, weights_only=True)
+    nan_hidden = batches[0][0].clone()
+    nan_hidden[3, 5] = float("nan")
+    batches.append((nan_hidden, *batches[0][1:]))  # NAN_BATCH
     cfg = drafter_cfg(num_layers=2, grad_clip=0.5, warmup_frac=0.2, total_steps=20, distributed="fsdp")
     out = Path(out_dir)
 
-    def trainer(fsdp: bool) -> Trainer:
-        t = Trainer(cfg, parts, LAYER_IDS, "cpu")
+    def trainer(fsdp: bool, optimizer: str = "adamw") -> Trainer:
+        t = Trainer(cfg.model_copy(update={"optimizer": optimizer}), parts, LAYER_IDS, "cpu")
         if fsdp:
             group.shard(t)
         else:
@@ -106,10 +138,10 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
         t.grad_sync = group.sum_grads
         return t
 
-    def run(t: Trainer, steps: range) -> list[dict]:
+    def run(t: Trainer, steps: range, schedule: list[dict] = SCHEDULE) -> list[dict]:
         seen = []
         for s in steps:
-            for i in SCHEDULE[s][rank]:
+            for i in schedule[s][rank]:
                 t.accumulate(*batches[i], seq=10 * s + i)
             t.optimizer_step(10 * s + 9)
             params = {n: full(p) for n, p in t.model.named_parameters()}  # collective under FSDP
@@ -179,25 +211,59 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
 
     first = trainer(True)
     run(first, range(RESUME_AT))
-    first_state = first.gather_state(keep=group.is_writer)
-    if group.is_writer:
-        write_checkpoint(
-            out / "ckpt", checkpoint_state(first_state, shape=drafter_shape(first)), trainer_export_config(first)
-        )
-    group.sync_round(RoundFlags())  # a barrier: the checkpoint is on disk before anyone resumes
+
+    def write_then_load(state: dict | None, ckpt: Path, t: Trainer) -> None:
+        """Rank 0 writes `state`, then every rank loads the checkpoint into `t` as the service resumes."""
+        if group.is_writer:
+            write_checkpoint(ckpt, checkpoint_state(state, shape=drafter_shape(t)), trainer_export_config(t))
+        group.sync_round(RoundFlags())  # a barrier: the checkpoint is on disk before anyone resumes
+
+        def latest():
+            ck = load_latest(ckpt)
+            return str(ck.path), ck.state
+
+        where, loaded = group.broadcast_state(latest)
+        t.load_state_dict(loaded, where)
+
     resumed_trainer = trainer(True)
-
-    def latest():
-        ck = load_latest(out / "ckpt")
-        return str(ck.path), ck.state
-
-    where, state = group.broadcast_state(latest)
-    resumed_trainer.load_state_dict(state, where)
+    write_then_load(first.gather_state(keep=group.is_writer), out / "ckpt", resumed_trainer)
     resumed = run(resumed_trainer, range(RESUME_AT, len(SCHEDULE)))
     resumed_state = resumed_trainer.gather_state(keep=group.is_writer)
+
+    with float32_newton_schulz():  # the replicas and FSDP compared at fp32 tolerance (the NS in bf16 is not)
+        muon_plain = trainer(False, "muon")
+        muon_replicas = run(muon_plain, range(RESUME_AT), MUON_SCHEDULE)
+        muon_plain_state = muon_plain.gather_state(keep=group.is_writer)  # unsharded: rank 0's state_dict()
+        muon_replicas += run(muon_plain, range(RESUME_AT, len(MUON_SCHEDULE)), MUON_SCHEDULE)
+        muon_replicas_state = muon_plain.gather_state(keep=group.is_writer)
+        muon_sharded_trainer = trainer(True, "muon")
+        muon_sharded = run(muon_sharded_trainer, range(len(MUON_SCHEDULE)), MUON_SCHEDULE)
+        muon_sharded_state = muon_sharded_trainer.gather_state(keep=group.is_writer)
+    muon_straight_trainer = trainer(True, "muon")  # torch's Muon as it is: resume bit-exact under FSDP
+    muon_straight = run(muon_straight_trainer, range(len(MUON_SCHEDULE)), MUON_SCHEDULE)
+    muon_straight_state = muon_straight_trainer.gather_state(keep=group.is_writer)
+    muon_first = trainer(True, "muon")
+    run(muon_first, range(RESUME_AT), MUON_SCHEDULE)
+    muon_resumed_trainer = trainer(True, "muon")
+    write_then_load(muon_first.gather_state(keep=group.is_writer), out / "muon-ckpt", muon_resumed_trainer)
+    muon_resumed = run(muon_resumed_trainer, range(RESUME_AT, len(MUON_SCHEDULE)), MUON_SCHEDULE)
+    muon_resumed_state = muon_resumed_trainer.gather_state(keep=group.is_writer)
+    from_plain = trainer(True, "muon")  # the replicas' unsharded checkpoint, loaded sharded and gathered again
+    write_then_load(muon_plain_state, out / "muon-plain-ckpt", from_plain)
+    from_plain_state = from_plain.gather_state(keep=group.is_writer)
     if group.is_writer:
         torch.save(
             {
+                "muon_replicas": muon_replicas,
+                "muon_replicas_state": muon_replicas_state,
+                "muon_sharded": muon_sharded,
+                "muon_sharded_state": muon_sharded_state,
+                "muon_straight": muon_straight,
+                "muon_straight_state": muon_straight_state,
+                "muon_resumed": muon_resumed,
+                "muon_resumed_state": muon_resumed_state,
+                "muon_plain_state": muon_plain_state,
+                "from_plain_state": from_plain_state,
                 "replicas": replicas,
                 "straight": straight,
                 "resumed": resumed,
