@@ -43,7 +43,9 @@ Time: the profiled steps double as warm-ups; then `repeats` rounds of one timed 
 alternation (no profiler). `step_time_ratio_A_over_B` (chunked_over_naive, dpace_over_chunked,
 dflash2_over_dpace, ...) is the median over the rounds of each round's A/B ratio (the steps of a round
 share the machine's state, so a noisy neighbour moves both); the step times are the medians of each
-variant's steps.
+variant's steps. `cpu_time_ratio_A_over_B` and `cpu_s_*` are the same for the process's CPU time
+(time.process_time, all threads): on a machine shared with other jobs it moves less than the wall clock,
+above all with OMP_NUM_THREADS=1 (no thread waits for another that was descheduled).
 """
 
 from __future__ import annotations
@@ -240,14 +242,14 @@ def plan_memory(args, names: list[str]) -> tuple[StepShape, str]:
     if need > budget:
         fit = anchors_that_fit(shape, kinds, args.seqs, budget)
         logits = f"[{shape.rows} × {args.vocab}] float32 logits are {gib(shape.rows * args.vocab * 4)}"
+        why = f"; the baseline's {logits}, held 3× at its peak" if "naive" in names else ""
         if args.anchors is not None or fit == 0:
             hint = f"--anchors {fit} fits it" if fit else f"even {args.seqs} anchors (one a sequence) do not fit"
             refuse(
-                f"--anchors {shape.anchors} at vocab {args.vocab} needs an estimated {gib(need)} ({','.join(names)};"
-                f" the baseline's {logits}, held 3× at its peak), over the {gib(budget)} budget (--mem-budget-gib):"
-                f" {hint}"
+                f"--anchors {shape.anchors} at vocab {args.vocab} needs an estimated {gib(need)}"
+                f" ({','.join(names)}{why}), over the {gib(budget)} budget (--mem-budget-gib): {hint}"
             )
-        sized = f"; {shape.anchors} anchors would need {gib(need)} (the baseline's {logits}): sized to {fit}"
+        sized = f"; {shape.anchors} anchors would need {gib(need)}{why}: sized to {fit}"
         shape = dataclasses.replace(shape, anchors=fit)
         need = run_bytes(shape, kinds)
     available = mem_available()
@@ -309,15 +311,17 @@ def main(argv=None):
         tensors = [*models[d].state_dict().values(), *adam_state, features]
         resident[d] = sum(t.numel() * t.element_size() for t in tensors)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     best = {name: statistics.median(ts) for name, ts in times.items()}
 
-    def ratio(a, b):
-        return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+    def ratio(a, b, of=times):
+        return statistics.median(x / y for x, y in zip(of[a], of[b], strict=True))
 
     T, Q = batch.num_tokens, batch.num_anchors * batch.block_size
     estimates = {n: step_bytes(shape, VARIANTS[n].memory) for n in names}
@@ -329,17 +333,20 @@ def main(argv=None):
             "step_time_ratio_chunked_over_naive": ratio("chunked", "naive"),
             "step_time_ratio_rounds": [round(c / n, 3) for c, n in zip(times["chunked"], times["naive"], strict=True)],
             "peak_total_ratio": (peaks["naive"] + res1) / (peaks["chunked"] + res1),
+            "cpu_time_ratio_chunked_over_naive": ratio("chunked", "naive", cpu),
         }
     if "chunked" in names:
         result |= {"drafter_tokens_per_s": T / best["chunked"], "query_rows_per_s": Q / best["chunked"]}
     for a, b in RATIOS:
         if {a, b} <= set(names):
             result[f"step_time_ratio_{a}_over_{b}"] = ratio(a, b)
+            result[f"cpu_time_ratio_{a}_over_{b}"] = ratio(a, b, cpu)
             result[f"peak_mem_ratio_{a}_over_{b}"] = peaks[a] / peaks[b]
     for name in names:
         result[f"peak_mb_{name}"] = peaks[name] / 2**20
         result[f"est_peak_mb_{name}"] = estimates[name] / 2**20
         result[f"step_s_{name}"] = best[name]
+        result[f"cpu_s_{name}"] = statistics.median(cpu[name])
     if "dflash1" in resident:
         result["resident_mb"] = resident["dflash1"] / 2**20
     if "dflash2" in resident:
@@ -369,7 +376,8 @@ def main(argv=None):
         print(
             f"  peak memory naive/chunked {result['peak_mem_ratio_naive_over_chunked']:.2f}x"
             f" (with {resident['dflash1'] / 2**20:.0f} MiB resident: {result['peak_total_ratio']:.2f}x),"
-            f" step time chunked/naive {result['step_time_ratio_chunked_over_naive']:.3f},"
+            f" step time chunked/naive {result['step_time_ratio_chunked_over_naive']:.3f}"
+            f" (cpu {result['cpu_time_ratio_chunked_over_naive']:.3f}),"
             f" {result['drafter_tokens_per_s']:.0f} tokens/s"
         )
     pairs = [(a, b) for a, b in RATIOS if {a, b} <= set(names)]
@@ -378,7 +386,7 @@ def main(argv=None):
             "  "
             + ", ".join(
                 f"{a}/{b} step {result[f'step_time_ratio_{a}_over_{b}']:.3f}"
-                f" peak {result[f'peak_mem_ratio_{a}_over_{b}']:.2f}"
+                f" (cpu {result[f'cpu_time_ratio_{a}_over_{b}']:.3f}) peak {result[f'peak_mem_ratio_{a}_over_{b}']:.2f}"
                 for a, b in pairs
             )
         )

@@ -12,8 +12,9 @@ with the profiler and prints both, so a drift shows):
   with their Adam moments (2× that). The drafter layers' own weights and moments are a few MiB (in the slack
   of the activation term);
 - a step's working memory, on top: the drafter's activations (ACT_FLOATS_PER_ROW_LAYER · H floats per query
-  row per layer, DFlash2's convolutions more, plus ACT_FLOATS_PER_ROW once; measured with this bench's
-  profiler at H = 256, rounded up), the gradient of the hidden rows (Q·H), and the loss's own:
+  row per layer, DFlash2's convolutions more, plus ACT_FLOATS_PER_ROW once, and the context rows' per token;
+  measured with this bench's profiler at H = 256, rounded up), the gradient of the hidden rows (Q·H), and the
+  loss's own:
   - full logits (consumer.loss.full_logits_loss): the logits, the log-softmax autograd keeps and, in the
     backward, the NLL's and the log-softmax's gradients, three [Q, V] at once (measured 3.10·Q·V·4 with the
     activations);
@@ -36,6 +37,9 @@ FLOAT = 4
 # at H = 256, 1-3 layers, 1,024-4,096 rows, rounded up
 ACT_FLOATS_PER_ROW_LAYER = {"dflash1": 32, "dflash2": 48}
 ACT_FLOATS_PER_ROW = 24
+# the context rows' (fc, norm, each layer's keys and values): per token, in floats of H, 7 + 2 per layer (measured
+# up to 8.2 at 1 layer, 11.8 at 3; 2,048-8,192 tokens)
+CTX_FLOATS_PER_TOKEN, CTX_FLOATS_PER_TOKEN_LAYER = 7, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,7 @@ def step_bytes(s: StepShape, kind: StepKind) -> int:
     Q, V, H = s.rows, s.vocab, s.hidden
     per_layer = ACT_FLOATS_PER_ROW_LAYER["dflash2" if kind.dflash2 else "dflash1"]
     act = (per_layer * s.layers + ACT_FLOATS_PER_ROW) * H * Q * FLOAT
+    act += (CTX_FLOATS_PER_TOKEN + CTX_FLOATS_PER_TOKEN_LAYER * s.layers) * H * s.tokens * FLOAT
     grad_h = Q * H * FLOAT
     loss = (3 * Q if kind.full_logits else min(s.chunk_rows, Q)) * V * FLOAT
     selector = 0

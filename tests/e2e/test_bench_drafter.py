@@ -23,27 +23,29 @@ def shape(vocab: int, anchors: int = 1024) -> StepShape:
 
 def test_estimate_at_qwen_vocabulary_counts_the_baselines_three_logits():
     s = shape(151_936)
-    act = (32 * 2 + 24) * 256 * 16_384 * 4  # 32 floats of H per row and layer, 24 once
+    ctx = (7 + 2 * 2) * 256 * 2048 * 4  # the context rows: 7 floats of H per token, 2 per layer
+    act = (32 * 2 + 24) * 256 * 16_384 * 4 + ctx  # 32 floats of H per query row and layer, 24 once
     grad_h = 16_384 * 256 * 4
-    assert step_bytes(s, VARIANTS["naive"].memory) == act + grad_h + 3 * 16_384 * 151_936 * 4 == 31_365_005_312
-    assert step_bytes(s, VARIANTS["chunked"].memory) == act + grad_h + 2048 * 151_936 * 4 == 2_737_831_936
-    assert step_bytes(s, VARIANTS["dpace"].memory) == 2_737_831_936
-    dflash2_act = (48 * 2 + 24) * 256 * 16_384 * 4
+    assert step_bytes(s, VARIANTS["naive"].memory) == act + grad_h + 3 * 16_384 * 151_936 * 4 == 31_388_073_984
+    assert step_bytes(s, VARIANTS["chunked"].memory) == act + grad_h + 2048 * 151_936 * 4 == 2_760_900_608
+    assert step_bytes(s, VARIANTS["dpace"].memory) == 2_760_900_608
+    dflash2_act = (48 * 2 + 24) * 256 * 16_384 * 4 + ctx
     selector = 2 * 151_936 * 256 * 4 + 2 * 2048 * 16 * (256 + 256) * 4  # codebook grads; a chunk's rows, their grads
     assert step_bytes(s, VARIANTS["dflash2_unary"].memory) == dflash2_act + grad_h + 2048 * 151_936 * 4
     assert step_bytes(s, VARIANTS["dflash2"].memory) == dflash2_act + grad_h + 2048 * 151_936 * 4 + selector
     frozen, features, mask, codebooks = 2 * 151_936 * 256 * 4, 2048 * 768 * 4, 16_384 * 272, 6 * 151_936 * 256 * 4
     assert resident_bytes(s, dflash2=False) == frozen + features + mask
     assert resident_bytes(s, dflash2=True) == frozen + features + mask + codebooks == 1_255_407_616
-    assert run_bytes(s, KINDS) == 1_255_407_616 + 31_365_005_312
+    assert run_bytes(s, KINDS) == 1_255_407_616 + 31_388_073_984
 
 
 def test_anchors_sized_to_the_budget_whole_anchors_per_sequence():
     assert anchors_that_fit(shape(32_000), KINDS, 8, 8 * GiB) == 1024  # the default shape runs as it did
-    # resident 272,891,904 (head + embedding, features, mask, codebooks + moments) + the baseline's step
+    # resident 272,891,904 (head + embedding, features, mask, codebooks + moments) + the baseline's step (its
+    # activations, the context rows', the hidden rows' gradient, three logits)
     assert (
         run_bytes(shape(32_000), KINDS)
-        == 272_891_904 + (32 * 2 + 24) * 256 * 16_384 * 4 + 16_777_216 + 3 * 16_384 * 32_000 * 4
+        == 272_891_904 + (32 * 2 + 24) * 256 * 16_384 * 4 + 23_068_672 + 16_777_216 + 3 * 16_384 * 32_000 * 4
     )
     assert anchors_that_fit(shape(151_936), KINDS, 8, 8 * GiB) == 232
     assert anchors_that_fit(shape(201_088), KINDS, 8, 8 * GiB) == 168
@@ -63,6 +65,9 @@ def test_a_shape_that_does_not_fit_is_refused_in_one_line(capsys):
         drafter.main(["--vocab", "151936", "--mem-budget-gib", "1", "--no-short"])
     assert exited.value.code == 2
     assert "even 8 anchors (one a sequence) do not fit" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        drafter.main(["--variants", "dpace,warp"])
+    assert exited.value.code == 2 and "--variants: unknown ['warp']" in capsys.readouterr().err
 
 
 def test_more_than_the_machine_has_available_is_refused(tmp_path, monkeypatch, capsys):
@@ -78,8 +83,9 @@ def test_more_than_the_machine_has_available_is_refused(tmp_path, monkeypatch, c
 
 
 def test_estimate_bounds_the_measured_step_peak(monkeypatch):
-    """A real step of each kind at a small shape: the profiler's peak is at most the estimate, and not far under.
-    The loss runs the torch path the bench runs (the suite's TRITON_INTERPRET=1 would run the interpreter's)."""
+    """A real step of each kind at a small shape: the profiler's peak is at most the estimate and above 0.6 of it
+    (the terms are rounded up; at vocab 151,936 the bench measured 0.73-0.98 of it). The loss runs the torch
+    path the bench runs (the suite's TRITON_INTERPRET=1 would run the interpreter's)."""
     monkeypatch.setattr(weighted_ce, "INTERPRET", False)
     args = argparse.Namespace(hidden=256, vocab=8192, layers=1, seqs=8, seq_len=256, anchors=32, block=16)
     models, batch, mask, features = drafter.make_case(args, dflash2=True)
@@ -91,4 +97,4 @@ def test_estimate_bounds_the_measured_step_peak(monkeypatch):
         step = drafter.make_step(model, batch, mask, features, v, opt, chunk_rows=256)
         step()  # Adam's moments exist: the profiled step is steady-state
         measured, estimate = drafter.peak_bytes(step), step_bytes(s, v.memory)
-        assert 0.75 * estimate <= measured <= estimate, (name, measured, estimate)
+        assert 0.6 * estimate <= measured <= estimate, (name, measured, estimate)
