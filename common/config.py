@@ -272,9 +272,10 @@ class DrafterConfig(_Section):
     # exp(-(k-1)/γ) weights, normalised by Σw over the step)
     loss: Literal["dpace", "decay"] = "dpace"
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5  # D-PACE smoothing α in (0, 1] (ModelOpt: 0.3-0.7)
-    # "muon": torch.optim.Muon for the hidden 2-D matrices, AdamW (lr, betas, weight_decay) for the rest
-    # (consumer/optim.py), with any `distributed` (under "fsdp" on row shards); "adamw": AdamW for everything
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    # "muon" (the default: README "Recipes", the A/B): torch.optim.Muon for the hidden 2-D matrices, AdamW
+    # (lr, betas, weight_decay) for the rest (consumer/optim.py), with any `distributed` (under "fsdp" on row
+    # shards); "adamw": AdamW for everything
+    optimizer: Literal["adamw", "muon"] = "muon"
     muon_lr: Annotated[float, Field(gt=0)] | None = None  # default: lr (match_rms_adamw makes AdamW's lr carry over)
     muon_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.95
     muon_weight_decay: Annotated[float, Field(ge=0)] = 0.1

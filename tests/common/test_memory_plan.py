@@ -101,7 +101,13 @@ def test_target_forward_plan_matches_the_measured_cpu_peak(target_dir):
 def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir):
     T, nseq, per_seq = 512, 2, 16
     cfg = DrafterConfig(
-        name="d", block_size=8, num_layers=2, anchors_per_seq=per_seq, mask_token_id=3, loss_chunk_rows=64
+        name="d",
+        block_size=8,
+        num_layers=2,
+        anchors_per_seq=per_seq,
+        mask_token_id=3,
+        loss_chunk_rows=64,
+        optimizer="adamw",  # the plan counts AdamW's two moments (an upper bound for Muon's one buffer)
     )
     parts = load_target_parts(target_dir)
     layer_ids = LAYER_IDS
