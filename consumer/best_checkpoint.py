@@ -38,11 +38,6 @@ class Best:
     pass_: int
 
 
-def improves(tau: float, best: Best | None) -> bool:
-    """Whether a pass of held-out `tau` replaces `best` (strictly greater; NaN never)."""
-    return beats(tau, best.tau if best is not None else math.nan)
-
-
 def beats(tau: float, best_tau: float) -> bool:
     """Whether held-out `tau` replaces a best of `best_tau` (NaN: none yet): strictly greater; a NaN τ never."""
     if not isinstance(tau, (int, float)) or math.isnan(tau):
@@ -115,9 +110,6 @@ class BestCheckpoint:
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("%s is unreadable (%s): starting without a best checkpoint", path, err)
             return None
-
-    def improves(self, tau: float) -> bool:
-        return improves(tau, self.best)
 
     def record(self, checkpoint: str, step: int, tau: float, loss: float, pass_: int) -> Best:
         """Make `checkpoint` (a saved step_<N> directory) the best: best.json, then the pointer."""
