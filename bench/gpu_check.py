@@ -82,8 +82,6 @@ def planned_memory() -> dict[str, float]:
     stages' shapes, on the CPU in about a minute: `python -m bench.gpu_check --replan` prints it for PLAN."""
     import copy
 
-    from transformers import Qwen3Config
-
     from common.config import DrafterConfig
     from common.memory_plan import CUDA_CONTEXT_BYTES, GIB
     from common.packed_batch import required_slot_bytes
@@ -92,16 +90,7 @@ def planned_memory() -> dict[str, float]:
     from producer.memory_plan import forward_peak, prefix_of_every_kind, weight_bytes
 
     t = TARGET
-    text = Qwen3Config(
-        vocab_size=t["vocab_size"],
-        hidden_size=t["hidden_size"],
-        num_hidden_layers=t["num_layers"],
-        num_attention_heads=t["heads"],
-        num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"],
-        intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=False,
-    )
+    text = target_config()
 
     def target(layers: int, tokens: int, slots: int) -> int:
         cut = copy.deepcopy(text)
@@ -142,6 +131,23 @@ def budget(stage: str) -> int:
 
 def log(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+
+
+def target_config():
+    """The check's target (TARGET: Qwen3-8B's shape) as a transformers config, untied like Qwen3-8B."""
+    from transformers import Qwen3Config
+
+    t = TARGET
+    return Qwen3Config(
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        num_hidden_layers=t["num_layers"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        head_dim=t["head_dim"],
+        intermediate_size=t["intermediate_size"],
+        tie_word_embeddings=False,
+    )
 
 
 def target_parts(path: Path, embed=None, lm_head=None):

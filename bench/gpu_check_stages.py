@@ -10,7 +10,6 @@ it under the stage's time budget, so a stage that fails or hangs costs its own f
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import signal
@@ -177,29 +176,19 @@ def stage_producer(workdir: Path) -> dict:
     slot-sized buffer; warm-up on the plan's first batches, timed on the batches after them (never seen)."""
     import torch
     from torch import nn
-    from transformers import AutoModel, Qwen3Config
+    from transformers import AutoModel
 
     from producer.target import TargetCapture, choose_attn_implementation
 
     _, batches = _batches(workdir)
-    t = plan.TARGET
-    config = Qwen3Config(
-        vocab_size=t["vocab_size"],
-        hidden_size=t["hidden_size"],
-        num_hidden_layers=t["num_layers"],
-        num_attention_heads=t["heads"],
-        num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"],
-        intermediate_size=t["intermediate_size"],
-    )
-    cut = copy.deepcopy(config)
+    cut = plan.target_config()
     cut.num_hidden_layers = max(plan.LAYER_IDS) + 1
     torch.cuda.reset_peak_memory_stats()
     with torch.device("cuda"):
         model = AutoModel.from_config(cut, dtype=torch.bfloat16)
     model.set_attn_implementation(choose_attn_implementation(type(model), "auto", "cuda"))
     model.norm = nn.Identity()  # as producer.target.load_target cuts it
-    target = TargetCapture(model.requires_grad_(False).eval(), model.config, plan.LAYER_IDS, t["num_layers"])
+    target = TargetCapture(model.requires_grad_(False).eval(), model.config, plan.LAYER_IDS, plan.TARGET["num_layers"])
     buffer = torch.empty(plan.TOKENS_PER_BATCH, target.feature_width, dtype=torch.bfloat16, device="cuda")
     on_gpu = [(b.input_ids.cuda(), b.cu_seqlens, b.num_tokens) for b in batches]
 

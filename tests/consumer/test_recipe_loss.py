@@ -158,6 +158,27 @@ def replica_worker(rank: int, port: int, data: str, out: str) -> None:
     group.close()
 
 
+def reference_dpace_sum(model, hidden, ids, mask, cu, mask_token_id: int) -> tuple[torch.Tensor, int]:
+    """(Σ w·CE, anchors) of one batch by the full-logits D-PACE loss (B = 4, α = 0.5, the test drafters'),
+    the anchors drawn from a fresh unseeded generator as the trainer's own first draw."""
+    batch = build_draft_batch(
+        ids,
+        mask,
+        cu,
+        anchors_per_seq=64,
+        block_size=4,
+        mask_token_id=mask_token_id,
+        gamma=1.0,
+        generator=torch.Generator(),
+    )
+    masks = attention_masks(batch, ["full_attention"], None, flex=False)
+    h = model(hidden, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
+    loss = DPaceLoss(4, 0.5)
+    return full_logits_loss(h, model.lm_head, batch.labels, loss.base_weights(batch.weights), loss)[
+        0
+    ], batch.num_anchors
+
+
 @pytest.fixture(scope="module")
 def split_case(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpace_split")
@@ -176,28 +197,10 @@ def test_dpace_step_over_two_rounds_equals_one_batch_and_an_independent_referenc
     got_two = _step_grads(two_rounds, batches)
     got_one = _step_grads(Trainer(_cfg(), parts, LAYER_IDS, "cpu"), [_merged(batches)])
 
-    loss, total, counts = DPaceLoss(4, 0.5), 0.0, []
-    for hidden, ids, mask, cu in batches:
-        batch = build_draft_batch(
-            ids,
-            mask,
-            cu,
-            anchors_per_seq=64,
-            block_size=4,
-            mask_token_id=two_rounds.mask_token_id,
-            gamma=1.0,
-            generator=torch.Generator(),
-        )
-        h = reference_model(
-            hidden,
-            batch.ctx_pos,
-            batch.block_ids,
-            batch.block_pos,
-            attention_masks(batch, ["full_attention"], None, flex=False),
-        )
-        base = loss.base_weights(batch.weights)
-        total = total + full_logits_loss(h, reference_model.lm_head, batch.labels, base, loss)[0]
-        counts.append(batch.num_anchors)
+    total, counts = 0.0, []
+    for b in batches:
+        loss_sum, anchors = reference_dpace_sum(reference_model, *b, two_rounds.mask_token_id)
+        total, counts = total + loss_sum, [*counts, anchors]
     assert counts == [90, 2]  # 37 + 53 candidates, and 2
     (total / sum(counts)).backward()
     for name, p in reference_model.named_parameters():
@@ -236,26 +239,8 @@ def test_dpace_trainer_on_zoo_targets_matches_the_full_logits_reference(arch, tm
         drafter_cfg(loss="dpace", grad_clip=1e9, anchors_per_seq=64), load_target_parts(path), layer_ids, "cpu"
     )
     reference_model = copy.deepcopy(trainer.model)
-    batch = build_draft_batch(
-        ids,
-        mask,
-        cu,
-        anchors_per_seq=64,
-        block_size=4,
-        mask_token_id=trainer.mask_token_id,
-        gamma=1.0,
-        generator=torch.Generator(),
-    )
-    h = reference_model(
-        feats,
-        batch.ctx_pos,
-        batch.block_ids,
-        batch.block_pos,
-        attention_masks(batch, ["full_attention"], None, flex=False),
-    )
-    loss = DPaceLoss(4, 0.5)
-    total, _ = full_logits_loss(h, reference_model.lm_head, batch.labels, loss.base_weights(batch.weights), loss)
-    (total / batch.num_anchors).backward()
+    total, anchors = reference_dpace_sum(reference_model, feats, ids, mask, cu, trainer.mask_token_id)
+    (total / anchors).backward()
     got = _step_grads(trainer, [(feats, ids, mask, cu)])
     for name, p in reference_model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7)
