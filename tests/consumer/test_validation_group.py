@@ -88,14 +88,21 @@ def reevaluate(tmp: Path, batches: dict, step_dir: Path) -> float:
     return evaluator.add(*batches["v1"], sample_ids=[101], validation=(1, 1, 2)).metrics["tau_est"]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+STEPS_OF_PASSES = {  # rank 1's passes follow its batches 2, 5, 7, 9 and 12 (of 12 rounds)
+    "ddp": [(1, 2), (2, 5), (3, 7), (4, 9), (5, 12)],
+    "fsdp": [(1, 2), (2, 5), (3, 7), (4, 9), (5, 12)],
+    "fsdp_accum": [(1, 1), (2, 2), (3, 3), (4, 4), (5, 6)],  # a step every two rounds: passes 2-4 mid-step
+}
+
+
+@pytest.mark.parametrize("mode", list(STEPS_OF_PASSES))
 def test_the_writer_keeps_the_best_of_passes_another_replica_evaluated(run, mode):
     tmp, batches, ranks = run
     writer, holder = ranks[0][mode], ranks[1][mode]
     assert writer["holds_record"] and not holder["holds_record"]
     assert writer["passes"] == []  # rank 0 never saw a validation batch: it stood in
-    assert [(p["pass"], p["step"]) for p in holder["passes"]] == [(1, 2), (2, 5), (3, 8), (4, 10), (5, 12)]
-    assert writer["steps"] == holder["steps"] == 12
+    assert [(p["pass"], p["step"]) for p in holder["passes"]] == STEPS_OF_PASSES[mode]
+    assert writer["steps"] == holder["steps"] == STEPS_OF_PASSES[mode][-1][1]
     taus = [p["tau_est"] for p in holder["passes"]]
     assert all(math.isfinite(t) and t >= 1.0 for t in taus)
     won = holder["passes"][taus.index(max(taus))]  # the first of the highest: a tie keeps the earlier
@@ -115,3 +122,13 @@ def test_the_writer_keeps_the_best_of_passes_another_replica_evaluated(run, mode
         assert again == won["tau_est"]
     else:  # the sharded forward all-gathers the same weights; sums may round differently
         assert again == pytest.approx(won["tau_est"], rel=1e-5)
+
+
+def test_a_best_saved_inside_an_open_fsdp_step_holds_the_weights_that_pass_evaluated(run):
+    """fsdp_accum: passes 3 and 4 beat the best while their step's batches were deferred (FSDP runs them at
+    the step); the collective save there wrote the last completed step's weights, the ones evaluated."""
+    tmp, batches, ranks = run
+    passes = {p["pass"]: p for p in ranks[1]["fsdp_accum"]["passes"]}
+    assert passes[4]["tau_est"] > max(passes[p]["tau_est"] for p in (1, 2, 3))  # pass 4 was a new best
+    step_dir = tmp / "fsdp_accum" / "checkpoints" / "d0" / f"step_{passes[4]['step']}"
+    assert reevaluate(tmp, batches, step_dir) == pytest.approx(passes[4]["tau_est"], rel=1e-5)

@@ -1,7 +1,7 @@
 """One replica of a two-process gloo group on the CPU running the real consumer loop (consumer/build.py's
 load_training and build_service) over a scripted stream, with data.validation on: the passes reach rank 1
 only (as the producer sends each to one replica), rank 0 is the checkpoint writer. Run once unsharded
-(`ddp`) and once under `distributed = "fsdp"`, in the same group. Rank 1 saves the passes it evaluated.
+(`ddp`), under `distributed = "fsdp"`, and under FSDP with a step every two rounds, in the same group. Rank 1 saves the passes it evaluated.
 
     python -m tests.procs.validation_group_worker TARGET_DIR BATCHES.pt OUT_DIR RANK WORLD PORT
 """
@@ -26,7 +26,7 @@ from tests.consumer.test_consumer_service import ScriptedStream
 from tests.consumer.test_drafter_common import LAYER_IDS, drafter_cfg
 
 PASS = ["v0", "v1"]  # a pass is two validation batches
-STEPS, PASS_AFTER = 12, (2, 5, 8, 10, 12)  # rank 1's stream holds a pass after these steps' batches
+STEPS, PASS_AFTER = 12, (2, 5, 7, 9, 12)  # rank 1 holds a pass after its batches of these rounds
 # per rank, the items its stream hands out: training batches (by index), validation passes, then END
 SCRIPT = {
     0: [0] * STEPS,
@@ -54,8 +54,17 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
     group = ReplicaGroup(env, torch.device("cpu"), timeout_s=300)
     batches = torch.load(batches_path, weights_only=True)
     evaluated = {}
-    for mode in ("ddp", "fsdp"):
-        cfg = drafter_cfg(num_layers=2, anchors_per_seq=32, distributed=mode, checkpoint_every=1000)
+    round_tokens = sum(batches["train"][i][1].numel() for i in (0, 1))  # rank 0's batch and rank 1's
+    # fsdp_accum: a step every two rounds, so passes (and a best's save) fall inside an open, deferred step
+    modes = {"ddp": ("ddp", 0), "fsdp": ("fsdp", 0), "fsdp_accum": ("fsdp", 2 * round_tokens)}
+    for mode, (distributed, tokens_per_step) in modes.items():
+        cfg = drafter_cfg(
+            num_layers=2,
+            anchors_per_seq=32,
+            distributed=distributed,
+            tokens_per_step=tokens_per_step,
+            checkpoint_every=1000,
+        )
         job = parse_job(
             {
                 "job": {"run_dir": str(Path(out_dir) / mode), "seed": 0},
