@@ -171,6 +171,9 @@ class _Channel:
             self.counters.send_errors += 1
             target = peer or PRODUCER_PEER
             if target in self._last_seen:
+                # what the peer sent before it went (a BYE) is still queued: it goes up before the loss,
+                # so a consumer that said bye and closed is not taken for a crashed one
+                self._drain_socket(time.monotonic())
                 self._lose(target, f"send failed: {err.strerror}")
 
     def _drain_socket(self, now: float) -> None:

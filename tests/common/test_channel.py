@@ -133,3 +133,36 @@ def test_consumer_notices_lost_producer_and_own_stall(endpoint):
     lost = wait_for(cons, PeerLost, timeout=3.0)
     assert lost.peer == PRODUCER_PEER
     cons.close()
+
+
+def test_a_bye_queued_before_a_failed_send_goes_up_before_the_loss(endpoint):
+    """A consumer says BYE and closes while the producer sends it a batch: the send fails (the peer is
+    unreachable) in the same I/O turn that has the BYE waiting on the socket. The BYE must reach the
+    service first, or it fences a consumer that left cleanly (a flaky CI failure of the producer's
+    skip-mode test). The I/O thread is stopped so the test drives that turn itself."""
+    prod = ProducerChannel(endpoint, 0.1, 30.0)
+    prod._stop.set()
+    prod._thread.join(5)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"d0.0")
+    dealer.connect(endpoint)
+    try:
+        dealer.send(encode(Hello("d0", 0, os.getpid(), "", 0)))
+        deadline = time.monotonic() + 10
+        while b"d0.0" not in prod._last_seen and time.monotonic() < deadline:
+            prod._sock.poll(100)
+            prod._drain_socket(time.monotonic())
+        assert isinstance(prod.recv(0).msg, Hello)
+        dealer.send(encode(Bye("done", 5)))
+        dealer.close(linger=1000)  # the BYE is flushed, then the connection goes
+        time.sleep(0.5)  # the ROUTER notices the disconnect: the peer's route is gone
+        prod._send_frames(b"d0.0", encode(Release(1, [(6, 0)])))
+        first, second = prod.recv(1), prod.recv(1)
+        assert isinstance(first, Received) and first.msg == Bye("done", 5)
+        assert isinstance(second, PeerLost) and second.reason == "send failed: Host unreachable"
+        assert prod.counters.send_errors == 1 and prod.counters.peers_lost == 1
+    finally:
+        ctx.term()
+        prod._stop.clear()  # close() joins a thread that never restarts: it returns at once
+        prod.close()
