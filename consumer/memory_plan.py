@@ -1,15 +1,17 @@
 """The consumer's GPU memory at the job's real shapes, planned without a GPU (common/memory_plan.py says how).
 
 Per drafter replica, MemTracker's peak over two training steps of the real drafter (consumer/model.py, the real
-anchors of consumer/objective.py, the real chunked loss, fused AdamW), run on fake tensors at a batch of
-tokens_per_batch tokens: the fp32 weights, gradients and Adam moments, the frozen embedding and LM head, the
-copied-out features, every activation the backward keeps and the temporaries between. A CUDA step is planned
+anchors of consumer/objective.py, the real chunked loss, the trainer's own optimizer from consumer/optim.py),
+run on fake tensors at a batch of tokens_per_batch tokens: the fp32 weights, gradients and optimizer state
+(fused AdamW's two moments; or Muon's momentum, its skip's one-matrix copies and Newton-Schulz temporaries,
+with AdamW's moments for the rest), the frozen embedding and LM head, the copied-out features, every
+activation the backward keeps and the temporaries between. A CUDA step is planned
 as the trainer runs it on CUDA (bf16 autocast, frozen parts in bf16, FlexAttention over bucket-padded q/k/v);
 what has no CPU form is stood in by its memory: FlexAttention's fused kernels (output and log-sum-exp forward;
 dq, dk, dv backward; the block mask's index tensors) and the Triton cross-entropy (in place, three [rows]
 vectors). A CPU step runs everything as the CPU trainer does (tests check it against measured CPU peaks).
 
-FSDP (distributed = "fsdp") keeps 1/world of the weights and Adam moments per replica plus the unsharded
+FSDP (distributed = "fsdp") keeps 1/world of the weights and optimizer state per replica plus the unsharded
 working set of its units (the layer being run, the one prefetched, one layer's gradients before the
 reduce-scatter): applied to the measured peak, gradients conservatively left whole.
 Each consumer also opens a CUDA context on every ring's GPU it reads (target replicas' rank 0 devices).
@@ -118,6 +120,7 @@ def step_peak(
     from consumer.dflash2 import DFlash2Drafter, make_drafter
     from consumer.loss import chunked_lm_head_loss
     from consumer.objective import attention_masks, build_draft_batch
+    from consumer.optim import build_optimizer
 
     nseq = math.ceil(tokens / max_length)
     lengths = [tokens // nseq + (i < tokens % nseq) for i in range(nseq)]
@@ -146,11 +149,8 @@ def step_peak(
         embed = torch.empty(vocab, arch.hidden_size, dtype=frozen)
         model = make_drafter(cfg, arch, embed, embed if tied else torch.empty(vocab, arch.hidden_size, dtype=frozen), 0)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2]}],
-            lr=cfg.lr,
-            fused=True,
-        )
+        optimizer, _ = build_optimizer(cfg, model.named_parameters(), lambda step: 1.0)  # the trainer's own
+        torch_optimizers = list(optimizer.torch_optimizers().values()) if cfg.optimizer == "muon" else [optimizer]
 
         def one_step():
             hidden = torch.empty(tokens, arch.num_features * arch.hidden_size, dtype=DTYPES[feature_dtype])
@@ -179,23 +179,38 @@ def step_peak(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        one_step()  # creates Adam's moments; MemTracker follows one iteration, the second (steady-state) step
-        peak = tracked_peak(one_step, [model], [optimizer])
+        one_step()  # creates the optimizer's state; MemTracker follows one iteration, the second (steady) step
+        peak = tracked_peak(one_step, [model], torch_optimizers)
         n_params = sum(p.numel() for p in params)
+        state_bytes = sum(
+            t.untyped_storage().nbytes()
+            for o in torch_optimizers
+            for st in o.state.values()
+            for t in st.values()
+            if isinstance(t, Tensor) and t.ndim > 0
+        )
         unit = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
         root = n_params - sum(p.numel() for p in model.layers.parameters())
         frozen_bytes = sum(
             b.untyped_storage().nbytes() for b in {id(b): b for b in (model.embed_tokens, model.lm_head)}.values()
         )
-    return {"peak": peak, "params": n_params, "largest_unit": max(unit, root), "frozen": frozen_bytes}
+    return {
+        "peak": peak,
+        "params": n_params,
+        "optimizer_state": state_bytes,
+        "largest_unit": max(unit, root),
+        "frozen": frozen_bytes,
+    }
 
 
 def fsdp_peak(step: dict[str, int], world: int) -> int:
-    """The step's peak with weights and Adam moments (fp32: 12 bytes a parameter) sharded over `world`, plus the
-    unsharded working set of three of its largest units (run, prefetched, gradients before the reduce-scatter)."""
+    """The step's peak with the fp32 weights (4 bytes a parameter) and the optimizer's state (AdamW's two moments,
+    Muon's momentum) sharded over `world`, plus the unsharded working set of three of its largest units (run,
+    prefetched, gradients before the reduce-scatter)."""
     if world == 1:
         return step["peak"]
-    return int(step["peak"] - 12 * step["params"] * (1 - 1 / world) + 3 * 4 * step["largest_unit"])
+    sharded = 4 * step["params"] + step["optimizer_state"]
+    return int(step["peak"] - sharded * (1 - 1 / world) + 3 * 4 * step["largest_unit"])
 
 
 def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:

@@ -7,8 +7,8 @@ tensors, codebooks). The two step together as one optimizer (`MuonWithAdamW`) an
 each optimizer's own LambdaLR with the same factor (`Schedules`).
 
 A non-finite step is skipped as fused AdamW skips it (`found_inf`, no device sync): torch's Muon has no
-such flag, so its parameters and momentum are restored from a copy taken before its update, on the device
-(under FSDP each replica restores its own shards: no collective).
+such flag, so each matrix and its momentum are restored from a copy taken before its update, on the device,
+one matrix at a time (under FSDP each replica restores its own shards: no collective).
 
 Under FSDP (distributed = "fsdp") the parameters are DTensor row shards and torch's Muon still computes
 each whole matrix's Newton-Schulz (DTensor gathers what it needs); a checkpoint holds each torch
@@ -59,15 +59,24 @@ class MuonWithAdamW:
         if self.found_inf is None:
             self.muon.step()
             return
-        params = [p for g in self.muon.param_groups for p in g["params"] if p.grad is not None]
-        for p in params:  # the buffers Muon would create lazily, created now so that they are restored too
-            self.muon.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-        state = [_local(t) for t in (*params, *(self.muon.state[p]["momentum_buffer"] for p in params))]
-        before = [t.clone() for t in state]
-        self.muon.step()
+        # one matrix at a time (Muon stepped on a one-parameter view of its group): the copies the skip restores
+        # from are one weight and its momentum, never all of them (the memory plan counts this step)
         skip = self.found_inf > 0
-        for t, old in zip(state, before, strict=True):
-            t.copy_(torch.where(skip, old, t))
+        groups = self.muon.param_groups
+        try:
+            for group in groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    self.muon.param_groups = [{**group, "params": [p]}]
+                    buf = self.muon.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                    state = (_local(p), _local(buf))
+                    before = [t.clone() for t in state]
+                    self.muon.step()
+                    for t, old in zip(state, before, strict=True):
+                        t.copy_(torch.where(skip, old, t))
+        finally:
+            self.muon.param_groups = groups
 
     def torch_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """Each torch optimizer under its key in state_dict()."""

@@ -98,7 +98,8 @@ def test_target_forward_plan_matches_the_measured_cpu_peak(target_dir):
     assert within(planned, measured), (planned, measured)
 
 
-def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir, optimizer):
     T, nseq, per_seq = 512, 2, 16
     cfg = DrafterConfig(
         name="d",
@@ -107,7 +108,7 @@ def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir):
         anchors_per_seq=per_seq,
         mask_token_id=3,
         loss_chunk_rows=64,
-        optimizer="adamw",  # the plan counts AdamW's two moments (an upper bound for Muon's one buffer)
+        optimizer=optimizer,
     )
     parts = load_target_parts(target_dir)
     layer_ids = LAYER_IDS
@@ -129,7 +130,13 @@ def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir):
     # the window held two full steps: both updates taken, every weight with its Adam moments, the weights moved
     trainer = trained["trainer"]
     assert trainer.step == 2 and trainer.nonfinite.skipped() == 0
-    assert all(set(trainer.optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in trainer.params)
+    # the state the plan counts: AdamW's two moments for every weight, or Muon's momentum for the matrices
+    adamw = trainer.optimizer if optimizer == "adamw" else trainer.optimizer.adamw
+    state = {id(p): set(st) for o in (adamw, getattr(trainer.optimizer, "muon", adamw)) for p, st in o.state.items()}
+    muon = {id(p) for g in trainer.optimizer.muon.param_groups for p in g["params"]} if optimizer == "muon" else set()
+    assert len(muon) == (0 if optimizer == "adamw" else 2 * 7 + 1)  # q k v o gate up down per layer, and fc
+    for p in trainer.params:
+        assert state[id(p)] >= ({"momentum_buffer"} if id(p) in muon else {"exp_avg", "exp_avg_sq"})
     untrained = Trainer(cfg, parts, layer_ids, "cpu", tokens_per_batch=T).params  # the same seeded init
     assert any(not torch.equal(p, p0) for p, p0 in zip(trainer.params, untrained, strict=True))
     arch = DrafterArch.from_target(parts, cfg, len(layer_ids))
@@ -146,13 +153,18 @@ def test_drafter_step_plan_matches_the_measured_cpu_peak(target_dir):
         anchors=nseq * per_seq,
     )
     assert step["frozen"] == frozen
+    n = sum(p.numel() for p in trainer.params)
+    n_muon = sum(p.numel() for p in trainer.params if id(p) in muon)
+    assert step["params"] == n and step["optimizer_state"] == 8 * (n - n_muon) + 4 * n_muon
     assert within(step["peak"], measured), (step["peak"], measured)
 
 
-def test_fsdp_shards_weights_and_adam_but_keeps_three_units_whole():
-    step = {"peak": 100 * GIB, "params": 2 * 10**9, "largest_unit": 3 * 10**8, "frozen": 0}
-    assert fsdp_peak(step, 1) == 100 * GIB
-    assert fsdp_peak(step, 4) == int(100 * GIB - 12 * 2e9 * 0.75 + 12 * 3e8)
+def test_fsdp_shards_weights_and_optimizer_state_but_keeps_three_units_whole():
+    adamw = {"peak": 100 * GIB, "params": 2 * 10**9, "optimizer_state": 16 * 10**9, "largest_unit": 3 * 10**8}
+    assert fsdp_peak(adamw, 1) == 100 * GIB
+    assert fsdp_peak(adamw, 4) == int(100 * GIB - 12 * 2e9 * 0.75 + 12 * 3e8)
+    muon = {**adamw, "optimizer_state": 9 * 10**9}  # 1.9e9 matrices (4 B of momentum), 1e8 others (8 B)
+    assert fsdp_peak(muon, 4) == int(100 * GIB - (8e9 + 9e9) * 0.75 + 12 * 3e8)
 
 
 def test_a_tp_rank_holds_its_share_of_heads_widths_and_experts(tmp_path):

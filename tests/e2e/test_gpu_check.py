@@ -25,7 +25,7 @@ def test_without_cuda_it_prints_the_plan_with_budgets_exits_0_and_writes_nothing
     )
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device is visible" in proc.stdout
-    assert "  pipeline   110 s  103.5 GiB  telemetry (NVML) + producer + 2 consumers" in proc.stdout
+    assert "  pipeline   110 s   95.7 GiB  telemetry (NVML) + producer + 2 consumers" in proc.stdout
     for stage, (secs, _, _) in gpu_check.PLAN.items():
         assert f"  {stage:9s} {secs:4d} s " in proc.stdout
     assert "  total      480 s" in proc.stdout
