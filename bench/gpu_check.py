@@ -48,9 +48,8 @@ PIPELINE_TARGET_LAYERS = 6  # the pipeline's target checkpoint: Qwen3-8B's layer
 PIPELINE_LAYER_IDS = [1, 2, 3, 4, 5]
 DRAFTER = dict(num_layers=5, block_size=16)
 TOKENS_PER_BATCH = 16384
-PIPELINE_TOKENS_PER_BATCH = (
-    12288  # two drafters and the target share the GPU: 95.7 GiB planned with Muon (AdamW: 103.5)
-)
+# two drafters and the target share the GPU: 95.7 GiB planned with Muon (103.5 with AdamW's state)
+PIPELINE_TOKENS_PER_BATCH = 12288
 MAX_LENGTH = 2048
 STAGE_CHATS = 2000  # ~14 packed batches of varying lengths
 WARMUP_BATCHES = 4  # compiled and autotuned here; the batches after them are timed
