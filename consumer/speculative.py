@@ -15,7 +15,6 @@ target's own sampling at T. Decoding ends after the step that commits a stop tok
 
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 from collections.abc import Collection
@@ -26,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from consumer.export.dflash import speculative_accept
+from consumer.export.dflash import record_past, rollback_copy, speculative_accept
 
 StopIds = int | Collection[int] | None  # one id, several, or none
 
@@ -69,10 +68,11 @@ class TargetRunner:
         # transformers 5 renamed past_key_values to cache (the old name is deprecated)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, rollback_tokens: int = 0) -> DynamicCache:
+        """A fresh cache; with rollback_tokens > 0, `rollback` can take back up to rollback_tokens - 1 of the
+        last rollback_tokens ids fed (it then records past states; plain decoding need not pay for that)."""
         cache = DynamicCache(config=self.model.config)
-        cache.activate_past_recording()  # sliding-window layers can then be rolled back
-        return cache
+        return record_past(cache, rollback_tokens) if rollback_tokens > 0 else cache
 
     @torch.inference_mode()
     def forward(self, ids: Tensor, cache: DynamicCache, capture: bool) -> tuple[Tensor, Tensor | None]:
@@ -82,9 +82,9 @@ class TargetRunner:
         return out.logits[0], feats
 
     def save_point(self, cache: DynamicCache) -> DynamicCache | None:
-        """What `rollback` needs: None when crop can undo a forward, else a copy of the cache (linear-attention
-        layers keep a recurrent state that no crop can take back)."""
-        return None if cache.is_croppable else copy.deepcopy(cache)
+        """What `rollback` needs: None when crop can undo a forward, else a copy of the cache (before
+        transformers 5.25 no crop takes back a linear-attention layer's recurrent state)."""
+        return rollback_copy(cache)
 
     def rollback(self, cache: DynamicCache, saved: DynamicCache | None, fed: Tensor, keep: int) -> DynamicCache:
         """The cache as if only the first `keep` of the ids `fed` since `save_point` had been fed."""
@@ -92,8 +92,9 @@ class TargetRunner:
             cache.crop(-(fed.numel() - keep))  # crop(0) also trims sliding layers back to their window
             return cache
         if keep < fed.numel():
-            self.forward(fed[:keep], saved, capture=False)
-            return saved
+            cache = saved
+            self.forward(fed[:keep], cache, capture=False)
+        cache.crop(0)  # drop the recorded past (sliding rows, conv inputs) that no later rollback needs
         return cache
 
 
@@ -167,7 +168,7 @@ def speculative_generate(
     t0 = time.perf_counter()
     B = drafter.block_size
     stops = _stop_set(stop)
-    cache = target.new_cache()
+    cache = target.new_cache(rollback_tokens=B)
     logits, context = target.forward(prompt, cache, capture=True)  # prefill; context [P, n·H]
     tokens = torch.cat([prompt, prompt.new_tensor([_pick(logits[-1], temperature)])])  # the last is the anchor
     new = [int(tokens[-1])]

@@ -140,6 +140,25 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def record_past(cache, tokens: int):
+    """Make `crop` able to take back up to `tokens - 1` of the last `tokens` ids fed to `cache` (one verify
+    block), and return it. Sliding-window layers keep their evicted rows until `crop`. From transformers 5.25 a
+    linear-attention layer (Gated DeltaNet, Mamba) also keeps its recurrent state after each of the last
+    `tokens` ids (`recurrent_states_to_keep`; without it 5.25's models fail on None), so `crop` rolls it back
+    too; 5.24's cannot, reports `is_croppable` False, and `rollback_copy` covers it."""
+    if hasattr(cache, "get_recurrent_states_to_keep"):  # the models ask the cache for this count
+        cache.activate_past_recording(recurrent_states_to_keep=tokens)
+    else:
+        cache.activate_past_recording()
+    return cache
+
+
+def rollback_copy(cache):
+    """None when `crop` can undo the next forward of `cache`, else a copy of it to restore and re-feed (a
+    recurrent state that this transformers cannot crop)."""
+    return None if cache.is_croppable else copy.deepcopy(cache)
+
+
 def _stop_ids(stop_token_ids, config) -> set[int]:
     ids = config.eos_token_id if stop_token_ids is None else stop_token_ids
     if ids is None:
@@ -241,8 +260,9 @@ class DFlashDraftModel(PreTrainedModel):
         temperature > 0: each token is distributed exactly as the target's sampling at that temperature
         (speculative sampling, `speculative_accept`; torch's global RNG, so torch.manual_seed repeats a run).
         Per step: draft B-1 tokens from the anchor, verify them in one target forward, keep the accepted
-        prefix plus one token from the target. Targets whose cache cannot be rolled back (linear-attention
-        layers) are restored from a copy and re-fed the accepted tokens. Decoding ends after the step whose
+        prefix plus one token from the target. The target's cache is rolled back with `crop`, or, where this
+        transformers cannot crop a layer (linear attention before 5.25), restored from a copy and re-fed the
+        accepted tokens (`record_past`, `rollback_copy`). Decoding ends after the step whose
         committed tokens hold a stop token, wherever in the step it falls. self.acceptance_lengths holds each
         step's count of committed tokens (a+1, the last step's included even past the stop or the limit)."""
         if not temperature >= 0.0:
@@ -255,8 +275,7 @@ class DFlashDraftModel(PreTrainedModel):
         head = target.get_output_embeddings().weight
         dtype, B, P = self.fc.weight.dtype, self.block_size, input_ids.shape[1]
         cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-        tcache = DynamicCache(config=target.config)
-        tcache.activate_past_recording()  # sliding-window layers can then be rolled back
+        tcache = record_past(DynamicCache(config=target.config), B)  # a verify block can then be rolled back
         out = target(input_ids=input_ids, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)
         first = out.logits[0, -1]
         first = first.argmax() if temperature == 0.0 else torch.multinomial(_probs(first, temperature), 1)[0]
@@ -271,7 +290,7 @@ class DFlashDraftModel(PreTrainedModel):
             h = self(F.embedding(block, embed)[None].to(dtype), ctx, pos, past_key_values=dcache, use_cache=True)
             drafts, q = self.propose(h[0, 1:], tokens[-1], head, temperature)
             verify = torch.cat([block[:1], drafts])[None]
-            snapshot = None if tcache.is_croppable else copy.deepcopy(tcache)
+            snapshot = rollback_copy(tcache)
             out = target(input_ids=verify, **{cache_kw: tcache}, use_cache=True, output_hidden_states=True)
             # out.logits[0, k]: the target's distribution for position p+k+1, the slot of drafts[k]
             if temperature == 0.0:
@@ -283,9 +302,11 @@ class DFlashDraftModel(PreTrainedModel):
             # positions p+a+1.. were rejected: roll the target's cache back to 0..p+a
             if snapshot is None:
                 tcache.crop(-(B - 1 - a))  # crop(0) also trims sliding layers back to their window
-            elif a < B - 1:
-                tcache = snapshot
-                target(input_ids=verify[:, : a + 1], **{cache_kw: tcache}, use_cache=True)
+            else:
+                if a < B - 1:
+                    tcache = snapshot
+                    target(input_ids=verify[:, : a + 1], **{cache_kw: tcache}, use_cache=True)
+                tcache.crop(0)  # drop the recorded past (sliding rows, conv inputs) no later rollback needs
             ctx = self._features(out.hidden_states, dtype)[:, : a + 1]  # verified positions p..p+a
             accepted = [*drafts[:a].tolist(), nxt]
             self.acceptance_lengths.append(a + 1)  # what the step committed, as z-lab and SGLang count it

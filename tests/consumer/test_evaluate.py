@@ -232,8 +232,8 @@ def test_cli_on_saved_target_and_exported_drafter(tmp_path, capsys):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_vl", "gpt_oss"])
 def test_hybrid_wrapper_and_sink_targets_with_a_sliding_drafter(tmp_path, arch):
-    """dflash-eval on the Qwen3.6-27B form (multimodal wrapper, Gated DeltaNet layers whose cache cannot be
-    cropped: rolled back from a copy) and gpt-oss (sliding layers, sinks), with a drafter that has sliding
+    """dflash-eval on the Qwen3.6-27B form (multimodal wrapper, Gated DeltaNet layers rolled back by `crop` on
+    transformers 5.25, from a copy on 5.24) and gpt-oss (sliding layers, sinks), with a drafter that has sliding
     layers and yarn RoPE: lossless, and load_drafter rebuilds the drafter the export describes (its drafts
     equal the AutoModel export's)."""
     import transformers
