@@ -1,28 +1,71 @@
 # Every target bootstraps a project-local .venv when it is missing.
+#
+# Dependencies: requirements.lock holds the exact set the suite passed with (every package, pip and setuptools
+# included; pyproject.toml keeps the ranges for installing into your own environment). `make install` builds .venv
+# from it and nothing else (`pip install --no-deps`, then `pip check`); a changed lock rebuilds .venv from scratch,
+# so a package the lock dropped does not linger. `make lock` resolves the newest releases, writes the lock and runs
+# the suite; `make test-latest` runs the suite against the newest releases in .venv-latest, lock untouched.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# PyTorch: with an NVIDIA driver (nvidia-smi on PATH) the default CUDA build from PyPI. Without one, the CPU
+LOCK   := requirements.lock
+LOCKED_TORCH := $(patsubst torch==%,%,$(filter torch==%,$(file <$(LOCK))))
+# PyTorch, at the locked version: with an NVIDIA driver (nvidia-smi on PATH) the CUDA build from PyPI, with the
+# CUDA libraries and the triton it pins (the lock's CPU-resolved triton is then left out). Without one, the CPU
 # build from PyTorch's CPU wheel index (`--index-url https://download.pytorch.org/whl/cpu`, the official way;
-# PyPI's Linux torch is the multi-GB CUDA build), when that index answers within 5 s; when it does not (a
-# machine that reaches only PyPI), torch==2.13.0 from PyPI or a local CPU wheel that pip's own configuration
-# finds (find-links). The probe runs only when the venv is (re)installed.
+# PyPI's Linux torch is the multi-GB CUDA build), when that index answers within 5 s; when it does not (a machine
+# that reaches only PyPI), a local CPU wheel that pip's own configuration finds (find-links) or PyPI's. The probe
+# runs only when the venv is (re)installed.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 HAS_NVIDIA      := $(shell command -v nvidia-smi 2>/dev/null)
-TORCH_SPEC      ?= $(if $(HAS_NVIDIA),torch,torch==2.13.0)
 TORCH_INDEX     ?= $(if $(HAS_NVIDIA),,$(shell $(PYTHON) -c "import urllib.request as r; \
                    r.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo --index-url $(TORCH_CPU_INDEX)))
+# The newest torch for `make lock` / `make test-latest`: from the CPU index when it answers; without it PyPI's
+# newest Linux torch is the multi-GB CUDA build, so the locked version is kept (and said).
+TORCH_LATEST    ?= $(if $(TORCH_INDEX),torch,torch==$(LOCKED_TORCH))
+NOT_FROM_LOCK   := $(if $(HAS_NVIDIA),'^(torch|triton)==','^torch==')
 
-.PHONY: install test test-fast bench gpu-check demo lint format clean
+.PHONY: install lock test test-fast test-latest bench gpu-check device-bundle demo lint format clean
 
-$(VENV)/.installed: pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	@test -n "$(LOCKED_TORCH)" || { echo "make: $(LOCK) has no torch==VERSION line" >&2; exit 2; }
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$$(grep '^pip==' $(LOCK))"
+	$(PY) -m pip install -q $(TORCH_INDEX) "torch==$(LOCKED_TORCH)"
+	grep -vE $(NOT_FROM_LOCK) $(LOCK) >$(VENV)/lock-rest.txt
+	$(PY) -m pip install -q --no-deps -r $(VENV)/lock-rest.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	@touch $@
 
 install: $(VENV)/.installed
+
+# resolve-latest DIR: a fresh venv in DIR with the newest releases pyproject.toml's ranges admit
+define resolve-latest
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip setuptools
+	@$(if $(TORCH_INDEX),,echo "make: the CPU wheel index does not answer: torch stays at the locked $(LOCKED_TORCH)")
+	$(1)/bin/pip install -q $(TORCH_INDEX) "$(TORCH_LATEST)"
+	$(1)/bin/pip install -q -e ".[dev]"
+	$(1)/bin/pip check
+endef
+
+lock:   # refresh the lock from the newest releases, then rebuild .venv from it and run the suite
+	$(call resolve-latest,.venv-lock)
+	{ sed -n '1,/^# ---/p' $(LOCK); .venv-lock/bin/pip freeze --all --exclude-editable \
+	  | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } >$(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf .venv-lock
+	git --no-pager diff --stat -- $(LOCK) || true
+	$(MAKE) test
+
+test-latest:   # the suite against the newest releases (.venv-latest), the lock untouched: drift seen early
+	$(call resolve-latest,.venv-latest)
+	@.venv-latest/bin/pip freeze --all --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/' \
+	  | diff $(LOCK) - | grep '^[<>]' | sed 's/^</locked:/; s/^>/latest:/' || echo "make: the newest releases are the locked ones"
+	.venv-latest/bin/python -m pytest -q
 
 test: install
 	$(PY) -m pytest -q
