@@ -76,8 +76,15 @@ test-fast: install
 bench: install
 	$(PY) -m bench.all
 
-gpu-check: install   # one GPU: 7 stages, each its own command of <= 4 min, 480 s planned in all (docs/gpu.md)
-	$(PY) -m bench.gpu_check
+# One GPU: 9 stages, each its own command of <= 4 min, 515 s planned (docs/gpu.md). On the GPU image (no network,
+# no .venv) it runs the device bundle's script: the bundle's wheels installed offline, the image's python and torch.
+BUNDLE := dist/device-bundle
+gpu-check:
+	@if [ ! -f $(VENV)/.installed ] && [ -f $(BUNDLE)/run-gpu-check.sh ]; then bash $(BUNDLE)/run-gpu-check.sh; \
+	else $(MAKE) --no-print-directory install && $(PY) -m bench.gpu_check; fi
+
+device-bundle: install   # wheels for the GPU image (CPython 3.12, offline): what gpu_check lacks there, <= 64 MiB
+	$(PY) -m bench.device_bundle $(BUNDLE)
 
 demo: install
 	./launch.sh

@@ -1,27 +1,31 @@
 """`make gpu-check`: the prepared acceptance run on one GPU, planned to fit the lend (15 minutes of GPU time in
-all, 10 minutes a command): seven stages, each its own command of at most 4 minutes with its own JSON line,
-480 s in all by the plan below, nothing downloaded, no file over 5 GB written. Without a CUDA device it prints
-the plan with each stage's budget and planned memory, and exits 0.
+all, 10 minutes a command, the bundle's install included): nine stages, each its own command of at most 4
+minutes with its own JSON line, nothing downloaded, no file over 5 GB written, the memory-heavy stages sized to
+the device's memory. Without a CUDA device, or with --plan, it prints the plan and exits 0.
 
-    .venv/bin/python -m bench.gpu_check [--workdir DIR] [--md docs/gpu.md] [--skip STAGES] [--dry-run]
+    python -m bench.gpu_check [--workdir DIR] [--md docs/gpu.md] [--skip STAGES] [--plan] [--device-memory GIB]
 
 Stages (bench/gpu_check_stages.py; each under its budget, each reported even when another failed):
-  tests     `pytest -m cuda`: every CUDA-marked test with Triton compiled, the CUDA ring between real processes.
+  ipc       CUDA IPC between two processes (the slot ring's path): where it fails, the stages that need it
+            (the pipeline; the ring's CUDA tests) are skipped and the report says why.
+  imports   every module the stages and the pipeline's processes import, with the versions found.
+  tests     pytest on the CUDA test files only: every CUDA-marked test with Triton compiled.
   memory    one process's CUDA context as NVML sees it, against the memory planner's allowance.
   assets    tokenizer, chats, a 6-layer target of Qwen3-8B's layer shapes (the pipeline's checkpoint, ~4.5 GiB),
-            job files.
+            job files at the shapes sized to the device.
   producer  the full 36-layer Qwen3-8B-shaped target (hidden 4096, 32 heads x 128, 8 KV heads, intermediate
             12,288, vocab 151,936, bf16, captured layers [1, 9, 17, 25, 33]) built on the GPU with random
-            weights (no file): packed 16k-token forwards into a slot-sized buffer; warm-up on the plan's first
+            weights (no file): packed forwards into a slot-sized buffer; warm-up on the plan's first
             batches, tokens/s over the later ones (never seen by the warm-up).
   consumer  one drafter of the published Qwen3-8B drafter shape (5 layers, block 16): train_batch on the same
             plan, random features; tokens/s on unseen batches; the NVML sampler on / off step-time ratio.
-            Both: Dynamo's own counters (frames, graphs, recompiles) in the warm-up and in the timed batches.
+            Both: Dynamo's own counters (frames, graphs, recompiles) and compile seconds apart from run seconds.
   pipeline  the real processes (telemetry with NVML, producer, two consumers) on the 6-layer checkpoint:
             tokens/s per drafter over telemetry's windows, NVML memory peak; then SIGKILL: no checkpoint.
   export    a one-layer drafter trained two steps, exported (weights + config only), reloaded with
             AutoModel.from_pretrained(trust_remote_code) and its weights compared.
 Output: each stage's JSON line as it ends, the table between the markers in --md, one summary JSON line.
+The plan (budgets, planned memory, shapes per device size) is bench/gpu_check_plan.py.
 """
 
 from __future__ import annotations
@@ -34,143 +38,44 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import harness
+from bench.gpu_check_plan import (
+    DRAFTER,
+    H200_GIB,
+    MAX_LENGTH,
+    PIPELINE_LAYER_IDS,
+    PLAN,
+    Sizing,
+    device_gib,
+    plan_text,
+    planned_memory,
+    size_for,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MD_BEGIN, MD_END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
-TARGET = dict(
-    hidden_size=4096, num_layers=36, heads=32, kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151_936
-)
-LAYER_IDS = [1, 9, 17, 25, 33]
-PIPELINE_TARGET_LAYERS = 6  # the pipeline's target checkpoint: Qwen3-8B's layers, fewer of them (~4.5 GiB on disk)
-PIPELINE_LAYER_IDS = [1, 2, 3, 4, 5]
-DRAFTER = dict(num_layers=5, block_size=16)
-TOKENS_PER_BATCH = 16384
-# two drafters and the target share the GPU: 95.7 GiB planned with Muon (103.5 with AdamW's state)
-PIPELINE_TOKENS_PER_BATCH = 12288
-MAX_LENGTH = 2048
-STAGE_CHATS = 2000  # ~14 packed batches of varying lengths
+STAGE_CHATS = 2000  # ~14 packed batches of 16k tokens, of varying lengths
 WARMUP_BATCHES = 4  # compiled and autotuned here; the batches after them are timed
 PIPELINE_START_S, PIPELINE_S = 60, 40
 PIPELINE_EPOCHS = 100  # more data than the run lasts: it ends by SIGKILL, not by its end
-H200_GIB = 139.7  # what NVML reports for one H200
-
-# The time and memory plan: stage → (budget in seconds: the command's timeout, peak GPU memory in GiB planned
-# by common/memory_plan.py's tools at these shapes (docs/gpu.md), what it runs). The budgets are estimates for
-# one H200 with the reasons given; the first run replaces them with the measured wall_s of each stage.
-PLAN: dict[str, tuple[int, float | None, str]] = {
-    # ~25 CUDA tests, a few s each with Triton compiles; the rest is pytest's start. Memory: test shapes, unplanned
-    "tests": (120, None, "pytest -m cuda (Triton compiled; the CUDA ring between real processes)"),
-    "memory": (20, 0.5, "one CUDA context measured by NVML against the planner's 512 MiB allowance"),
-    # a 4.5 GiB target written at >= 0.5 GB/s, tokenizer and chats in seconds
-    "assets": (40, 5.0, "tokenizer, chats, 6-layer 8B-shaped target checkpoint (~4.5 GiB), job files"),
-    # imports 10 s, 16 GB of random weights on the GPU 5 s, 4 warm-up forwards with flex compiles ~25 s, 10 timed
-    "producer": (60, 16.0, "36-layer Qwen3-8B-shaped target built in GPU memory: tokens/s on unseen 16k batches"),
-    # imports 10 s, flex compiles per (bucket, layer kind) in the warm-up ~40 s, 3 passes over 10 batches
-    "consumer": (100, 55.1, "5-layer block-16 drafter train_batch: tokens/s on unseen batches, NVML on/off"),
-    # start-up (imports, load, compiles) <= 60 s, 40 s measured, kill
-    "pipeline": (110, 95.7, "telemetry (NVML) + producer + 2 consumers on one GPU for 40 s: tokens/s, memory"),
-    "export": (30, 8.5, "one-layer drafter exported and reloaded with AutoModel(trust_remote_code)"),
-}
 NEEDS_ASSETS = ("producer", "consumer", "pipeline", "export")
-STAGE_LIMIT_S, TOTAL_LIMIT_S = 240, 480
-
-
-def planned_memory() -> dict[str, float]:
-    """Each stage's peak GPU memory in GiB by the memory planner (producer/ and consumer/memory_plan.py) at the
-    stages' shapes, on the CPU in about a minute: `python -m bench.gpu_check --replan` prints it for PLAN."""
-    import copy
-
-    from common.config import DrafterConfig
-    from common.memory_plan import CUDA_CONTEXT_BYTES, GIB
-    from common.packed_batch import required_slot_bytes
-    from consumer.memory_plan import step_peak
-    from consumer.model import DrafterArch
-    from producer.memory_plan import forward_peak, prefix_of_every_kind, weight_bytes
-
-    t = TARGET
-    text = target_config()
-
-    def target(layers: int, tokens: int, slots: int) -> int:
-        cut = copy.deepcopy(text)
-        cut.num_hidden_layers = layers
-        width = len(LAYER_IDS) * t["hidden_size"]
-        return (
-            weight_bytes(cut, "bfloat16")
-            + forward_peak(prefix_of_every_kind(cut), "bfloat16", tokens)
-            + slots * required_slot_bytes(tokens, width, "bfloat16")
-        )
-
-    parts = target_parts(Path("."))
-
-    def drafter(layers: int, tokens: int) -> int:
-        cfg = DrafterConfig(name="d", block_size=DRAFTER["block_size"], num_layers=layers)
-        arch = DrafterArch.from_target(parts, cfg, len(LAYER_IDS))
-        return step_peak(arch, cfg, t["vocab_size"], False, tokens, MAX_LENGTH, "bfloat16", cuda=True)["peak"]
-
-    small = copy.deepcopy(text)
-    small.num_hidden_layers = PIPELINE_TARGET_LAYERS
-    ctx = CUDA_CONTEXT_BYTES
-    figures = {
-        "memory": ctx,
-        "assets": weight_bytes(small, "bfloat16") + t["vocab_size"] * t["hidden_size"] * 2 + ctx,  # + the LM head
-        "producer": target(max(LAYER_IDS) + 1, TOKENS_PER_BATCH, 1) + ctx,
-        "consumer": drafter(DRAFTER["num_layers"], TOKENS_PER_BATCH) + ctx,
-        "pipeline": target(PIPELINE_TARGET_LAYERS, PIPELINE_TOKENS_PER_BATCH, 4)
-        + 2 * drafter(DRAFTER["num_layers"], PIPELINE_TOKENS_PER_BATCH)
-        + 3 * ctx,
-        "export": drafter(1, 4096) + ctx,
-    }
-    return {k: round(v / GIB, 1) for k, v in figures.items()}
 
 
 def budget(stage: str) -> int:
-    return PLAN[stage][0]
+    return PLAN[stage].budget_s
 
 
 def log(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
 
 
-def target_config():
-    """The check's target (TARGET: Qwen3-8B's shape) as a transformers config, untied like Qwen3-8B."""
-    from transformers import Qwen3Config
-
-    t = TARGET
-    return Qwen3Config(
-        vocab_size=t["vocab_size"],
-        hidden_size=t["hidden_size"],
-        num_hidden_layers=t["num_layers"],
-        num_attention_heads=t["heads"],
-        num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"],
-        intermediate_size=t["intermediate_size"],
-        tie_word_embeddings=False,
-    )
-
-
-def target_parts(path: Path, embed=None, lm_head=None):
-    """The check's target (TARGET: Qwen3-8B's shape) as the drafter sees it; `embed`/`lm_head` None for planning."""
-    from consumer.target_parts import TargetParts
-
-    t = TARGET
-    return TargetParts(
-        path=path,
-        hidden_size=t["hidden_size"],
-        num_attention_heads=t["heads"],
-        num_key_value_heads=t["kv_heads"],
-        head_dim=t["head_dim"],
-        intermediate_size=t["intermediate_size"],
-        rms_norm_eps=1e-6,
-        vocab_size=t["vocab_size"],
-        num_hidden_layers=t["num_layers"],
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        embed_tokens=embed,
-        lm_head=lm_head,
-    )
+def with_root(env: dict) -> dict:
+    """`env` with the repository first on PYTHONPATH, keeping what was there (the device bundle's site)."""
+    path = [str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def write_job(path: Path, run_dir: Path, assets: Path, data: str, epochs: int, tokens_per_batch: int) -> Path:
@@ -209,11 +114,11 @@ def write_job(path: Path, run_dir: Path, assets: Path, data: str, epochs: int, t
     return harness.write_job(path, doc)
 
 
-def run_stage(name: str, workdir: Path) -> dict:
+def run_stage(name: str, workdir: Path, args: list[str] | None = None) -> dict:
     """One stage as its own command under its budget; its JSON line, or why there is none."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = with_root(dict(os.environ))
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "bench.gpu_check_stages", name, "--workdir", str(workdir)]
+    cmd = [sys.executable, "-m", "bench.gpu_check_stages", name, "--workdir", str(workdir), *(args or [])]
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -237,6 +142,44 @@ def run_stage(name: str, workdir: Path) -> dict:
     return json.loads(lines[-1])
 
 
+def ipc_skips(ipc: dict) -> dict[str, str]:
+    """The stages that cannot run after the IPC probe's answer, with why; {} where CUDA IPC works."""
+    if ipc.get("cuda_ipc"):
+        return {}
+    why = (
+        f"no CUDA IPC between processes here ({ipc.get('error', 'the probe gave no answer')}): the slot ring cannot run"
+    )
+    return {s: why for s, p in PLAN.items() if p.needs_ipc}
+
+
+def run_stages(
+    workdir: Path, sizing: Sizing, skip: set[str], run: Callable[[str, Path, list[str]], dict] = run_stage
+) -> dict:
+    """Every stage in order, each under its budget: the IPC probe's answer and the device's size decide which
+    run; a stage left out gets a `skipped` line saying why (and `ok` None: neither passed nor failed)."""
+    results: dict = {}
+    skipped = {s: "--skip" for s in skip} | sizing.does_not_fit()
+    no_ipc = False
+    for name in PLAN:
+        if name in skipped:
+            results[name] = {"stage": name, "ok": None, "skipped": skipped[name]}
+            continue
+        assets = (results.get("assets") or {}).get("ok") or ("assets" in skip and (workdir / "assets").is_dir())
+        if name in NEEDS_ASSETS and not assets:
+            results[name] = {"stage": name, "ok": False, "error": "no assets (the assets stage failed or was skipped)"}
+        else:
+            args = ["--device-memory", f"{sizing.device_gib:g}"]
+            args += ["--no-ipc"] if name == "tests" and no_ipc else []
+            log(f"{name}: {PLAN[name].what} (budget {budget(name)} s)")
+            results[name] = run(name, workdir, args)
+        if name == "ipc":
+            log(results[name].get("says", "the probe gave no answer"))
+            no_ipc = not results[name].get("cuda_ipc")
+            skipped |= {s: why for s, why in ipc_skips(results[name]).items() if s not in skipped}
+        print(json.dumps(results[name]), flush=True)  # each stage's line as it ends
+    return results
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -245,10 +188,16 @@ def render_table(results: dict) -> str:
 
     def get(stage: str, key: str, unit: str = "") -> str:
         r = results.get(stage) or {}
+        if "skipped" in r:
+            return f"skipped: {r['skipped'][:100]}"
         if not r.get("ok", False) and "error" in r:
             return f"failed: {r['error'][:80]}"
         v = r.get(key)
         return "n/a" if v is None else f"{v}{unit}"
+
+    def split(stage: str) -> str:
+        r = results.get(stage) or {}
+        return f"{r['compile_s']:g} / {r['run_s']:g}" if "compile_s" in r and "run_s" in r else get(stage, "compile_s")
 
     t = results.get("tests") or {}
     tests = (
@@ -258,6 +207,7 @@ def render_table(results: dict) -> str:
         else get("tests", "passed")
     )
     rows = [
+        ("CUDA IPC between two processes (the ring)", get("ipc", "cuda_ipc")),
         ("CUDA-marked tests (Triton compiled)", tests),
         ("CUDA context of one process (NVML), MiB", get("memory", "cuda_context_mib")),
         ("producer alone (36-layer 8B-shaped target), tokens/s", get("producer", "tokens_per_s")),
@@ -269,6 +219,9 @@ def render_table(results: dict) -> str:
         ("step time with NVML sampler on / off", get("consumer", "nvml_on_over_off_step_time")),
         ("Dynamo recompiles in the timed (unseen) batches, producer", get("producer", "recompiles_in_timed_batches")),
         ("Dynamo recompiles in the timed (unseen) batches, consumer", get("consumer", "recompiles_in_timed_batches")),
+        ("compile s / run s, producer", split("producer")),
+        ("compile s / run s, consumer", split("consumer")),
+        ("compile s / run s, pipeline (start to first window / measured)", split("pipeline")),
         ("export reloaded, weights equal", get("export", "weights_equal")),
     ]
     walls = ", ".join(f"{s} {results[s]['wall_s']:g}" for s in PLAN if s in results and "wall_s" in results[s])
@@ -285,27 +238,15 @@ def write_markdown(path: Path, table: str) -> None:
     path.write_text(f"{before}{MD_BEGIN}\n{table}{MD_END}{after}")
 
 
-def plan_text(skip: set[str]) -> str:
-    lines = [
-        f"  {name:9s} {secs:4d} s  {'unplanned' if gib is None else f'{gib:5.1f} GiB':>9s}  {what}"
-        + ("  [skipped by --skip]" if name in skip else "")
-        for name, (secs, gib, what) in PLAN.items()
-    ]
-    total = sum(secs for name, (secs, _, _) in PLAN.items() if name not in skip)
-    lines.append(
-        f"  total     {total:4d} s (each stage its own command; at most {STAGE_LIMIT_S} s a stage,"
-        f" {TOTAL_LIMIT_S} s in all); peak memory of the largest stage"
-        f" {max(g for _, g, _ in PLAN.values() if g is not None):.1f} of {H200_GIB} GiB"
-    )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=None, help="assets and runs (default: a temporary folder)")
     ap.add_argument("--md", type=Path, default=ROOT / "docs" / "gpu.md", help="markdown file for the table")
     ap.add_argument("--skip", default="", help="comma-separated stages to leave out (e.g. tests)")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--plan", "--dry-run", dest="plan", action="store_true", help="print the plan and exit")
+    ap.add_argument(
+        "--device-memory", type=float, default=None, help="GiB to size the stages to (default: the device's)"
+    )
     ap.add_argument("--replan", action="store_true", help="compute each stage's planned GPU memory (CPU, ~1 min)")
     args = ap.parse_args(argv)
     if args.replan:
@@ -314,15 +255,20 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     if skip - PLAN.keys():
         ap.error(f"--skip: unknown stage(s) {sorted(skip - PLAN.keys())}; stages: {','.join(PLAN)}")
+    if args.device_memory is not None and args.device_memory <= 0:
+        ap.error(f"--device-memory: expected GiB > 0, got {args.device_memory:g}")
 
-    import torch
-
-    if args.dry_run or not torch.cuda.is_available():
-        why = "--dry-run" if args.dry_run else "no CUDA device is visible"
-        print(f"gpu_check: {why}; on a GPU this would run, stage by stage (budget, planned peak GPU memory):")
-        print(plan_text(skip))
+    found = device_gib()
+    sizing = size_for(args.device_memory or found or H200_GIB)
+    if args.plan or found is None:
+        why = "--plan" if args.plan else "no CUDA device is visible"
+        source = "--device-memory" if args.device_memory else "the device" if found else "an H200's, no device seen"
+        print(f"gpu_check: {why}; on a GPU this would run, stage by stage (GPU memory: {source}):")
+        print(plan_text(sizing, skip))
         print(f"  then write the table into {args.md} and print one JSON line")
         return 0
+
+    import torch
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dfg-", dir="/tmp"))  # short: ipc path limit
     workdir.mkdir(parents=True, exist_ok=True)
@@ -330,35 +276,26 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
+        "device_gib": sizing.device_gib,
+        "shapes": {"stage_tokens": sizing.stage_tokens, "pipeline_tokens": sizing.pipeline_tokens},
     }
     started = time.perf_counter()
     try:
-        for name in PLAN:
-            if name in skip:
-                continue
-            assets = (results.get("assets") or {}).get("ok") or ("assets" in skip and (workdir / "assets").is_dir())
-            if name in NEEDS_ASSETS and not assets:
-                results[name] = {
-                    "stage": name,
-                    "ok": False,
-                    "error": "no assets (the assets stage failed or was skipped)",
-                }
-            else:
-                log(f"{name}: {PLAN[name][2]} (budget {budget(name)} s)")
-                results[name] = run_stage(name, workdir)
-            print(json.dumps(results[name]), flush=True)  # each stage's line as it ends
+        results |= run_stages(workdir, sizing, skip)
     finally:
         results["wall_s"] = round(time.perf_counter() - started, 1)
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    results["ok"] = all(results[s].get("ok") for s in PLAN if s in results)
+    ran = [s for s in PLAN if s in results and "skipped" not in results[s]]
+    results["ok"] = all(results[s].get("ok") for s in ran)
     write_markdown(args.md, render_table(results))
     print(
         json.dumps(
             {
                 "summary": True,
                 **{k: v for k, v in results.items() if k not in PLAN},
-                "stages_ok": {s: results[s].get("ok") for s in PLAN if s in results},
+                "stages_ok": {s: results[s].get("ok") for s in ran},
+                "skipped": {s: results[s]["skipped"] for s in PLAN if "skipped" in results.get(s, {})},
             }
         )
     )

@@ -22,9 +22,32 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from bench import gpu_check as plan
+from bench import gpu_check as check
+from bench import gpu_check_plan as plan
 
 ROOT = Path(__file__).resolve().parent.parent
+# what the stages and the pipeline's processes import (the imports stage tries each: a missing package shows in
+# seconds, not after the tests stage); VERSIONS: the distributions it reports
+IMPORTS = (
+    "producer.__main__",
+    "consumer.__main__",
+    "telemetry.__main__",
+    "producer.build",
+    "producer.prefetch",
+    "producer.target",
+    "consumer.trainer",
+    "consumer.target_parts",
+    "consumer.export.layout",
+    "common.ring_cuda",
+    "telemetry.nvml",
+    "demo.tiny",
+    "pynvml",
+    "safetensors.torch",
+    "pytest",
+)
+VERSIONS = ("torch", "triton", "transformers", "tokenizers", "huggingface-hub", "pydantic", "pyzmq", "numpy", "pytest")
+# the CUDA test files whose tests share CUDA memory between processes (the slot ring's children)
+IPC_TEST_FILES = ("tests/common/test_ring.py",)
 
 
 def junit_counts(path: Path) -> dict:
@@ -61,23 +84,66 @@ def window_figures(metrics_jsonl: Path) -> dict:
 # ------------------------------------------------------------------------------------------------ stages
 
 
-def stage_tests(workdir: Path) -> dict:
+def cuda_test_files() -> list[str]:
+    """The test files that hold CUDA-marked tests: only these are collected, so a module elsewhere that imports
+    what the GPU image lacks cannot stop the stage."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
+
+
+def stage_ipc(workdir: Path, opts) -> dict:
+    """CUDA IPC between two processes (bench/ipc_probe.py): where it fails, the driver skips the ring's stages."""
+    from bench.ipc_probe import probe
+
+    answer = probe(timeout_s=check.budget("ipc") - 5)
+    return {"ok": answer["cuda"], **answer}  # ok: the probe ran; its answer is cuda_ipc
+
+
+def stage_imports(workdir: Path, opts) -> dict:
+    """Every module the stages and the pipeline's processes import, and the versions this Python found."""
+    import importlib
+    from importlib import metadata
+
+    failed = {}
+    for module in IMPORTS:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # each import's failure is a finding, the others are still tried
+            failed[module] = f"{type(err).__name__}: {str(err)[:200]}"
+    versions = {}
+    for dist in VERSIONS:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"ok": not failed, "modules": len(IMPORTS), "failed": failed, "versions": versions}
+
+
+def stage_tests(workdir: Path, opts) -> dict:
     xml = workdir / "cuda-tests.xml"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    files = cuda_test_files()
+    left_out = [f for f in files if opts.no_ipc and f in IPC_TEST_FILES]
+    files = [f for f in files if f not in left_out]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=plan.budget("tests") - 15
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=check.budget("tests") - 15
     )  # the rest: this process's own start and report
     counts = junit_counts(xml) if xml.exists() else {}
     return {
         "ok": proc.returncode == 0 and counts.get("passed", 0) > 0,
         **counts,
         "exit": proc.returncode,
+        "files": len(files),
+        **(
+            {"left_out": {f: "needs CUDA IPC between processes, which failed here" for f in left_out}}
+            if left_out
+            else {}
+        ),
         "summary": (proc.stdout + proc.stderr).strip().splitlines()[-3:],
     }
 
 
-def stage_memory(workdir: Path) -> dict:
+def stage_memory(workdir: Path, opts) -> dict:
     """One process's CUDA context on the GPU, as NVML sees it, against the planner's allowance."""
     import pynvml
     import torch
@@ -101,7 +167,7 @@ def stage_memory(workdir: Path) -> dict:
     }
 
 
-def stage_assets(workdir: Path) -> dict:
+def stage_assets(workdir: Path, opts) -> dict:
     import torch
 
     from demo.tiny import build_tiny_target, corpus_texts, synthetic_chats, train_tokenizer, write_jsonl
@@ -116,15 +182,23 @@ def stage_assets(workdir: Path) -> dict:
         device="cuda:0",
         **{**plan.TARGET, "num_layers": plan.PIPELINE_TARGET_LAYERS},
     )
-    write_jsonl(assets / "stage_chats.jsonl", synthetic_chats(plan.STAGE_CHATS, seed=1))
-    write_jsonl(assets / "pipeline_chats.jsonl", synthetic_chats(plan.STAGE_CHATS, seed=2))
+    write_jsonl(assets / "stage_chats.jsonl", synthetic_chats(check.STAGE_CHATS, seed=1))
+    write_jsonl(assets / "pipeline_chats.jsonl", synthetic_chats(check.STAGE_CHATS, seed=2))
+    sizing = plan.size_for(opts.device_memory or plan.device_gib() or plan.H200_GIB)
     for name, data, epochs, tokens in (
-        ("stages", "stage_chats.jsonl", 1, plan.TOKENS_PER_BATCH),
-        ("pipe", "pipeline_chats.jsonl", plan.PIPELINE_EPOCHS, plan.PIPELINE_TOKENS_PER_BATCH),
+        ("stages", "stage_chats.jsonl", 1, sizing.stage_tokens),
+        ("pipe", "pipeline_chats.jsonl", check.PIPELINE_EPOCHS, sizing.pipeline_tokens),
     ):
-        plan.write_job(workdir / name / "job.toml", workdir / name, assets, data, epochs, tokens)
+        if tokens is not None:  # None: no shape fits this device; the driver skips the stages that need it
+            check.write_job(workdir / name / "job.toml", workdir / name, assets, data, epochs, tokens)
     size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())
-    return {"ok": True, "written_gib": round(size / 2**30, 2)}
+    return {
+        "ok": True,
+        "written_gib": round(size / 2**30, 2),
+        "device_gib": sizing.device_gib,
+        "stage_tokens": sizing.stage_tokens,
+        "pipeline_tokens": sizing.pipeline_tokens,
+    }
 
 
 def _batches(workdir: Path):
@@ -138,8 +212,8 @@ def _batches(workdir: Path):
     reader = dataset.reader()
     batches = [pack_batch(reader, planned) for planned in batch_plan.batches_from(0)]
     reader.close()
-    if len(batches) <= plan.WARMUP_BATCHES:
-        raise RuntimeError(f"the plan has {len(batches)} batches, no more than the {plan.WARMUP_BATCHES} of warm-up")
+    if len(batches) <= check.WARMUP_BATCHES:
+        raise RuntimeError(f"the plan has {len(batches)} batches, no more than the {check.WARMUP_BATCHES} of warm-up")
     return job, batches
 
 
@@ -165,13 +239,20 @@ def _timed(run, batches) -> float:
     return time.perf_counter() - start
 
 
+def compile_split(warm_s: float, warm_tokens: int, run_s: float, run_tokens: int) -> dict:
+    """compile_s: the warm-up's seconds beyond what its tokens cost at the timed rate (cold compiles of flex
+    attention and block masks, Triton's autotune, first allocations); run_s: the timed batches."""
+    extra = warm_s - warm_tokens * run_s / run_tokens
+    return {"compile_s": round(max(extra, 0.0), 1), "run_s": round(run_s, 1), "warmup_s": round(warm_s, 1)}
+
+
 def _compile_figures(before: dict, after_warmup: dict, after_timed: dict) -> dict:
     return {f"{k}_in_warmup": after_warmup[k] - before[k] for k in before} | {
         f"{k}_in_timed_batches": after_timed[k] - after_warmup[k] for k in before
     }
 
 
-def stage_producer(workdir: Path) -> dict:
+def stage_producer(workdir: Path, opts) -> dict:
     """The full-depth 8B-shaped target, random weights built on the GPU (no file): packed forwards into a
     slot-sized buffer; warm-up on the plan's first batches, timed on the batches after them (never seen)."""
     import torch
@@ -180,7 +261,7 @@ def stage_producer(workdir: Path) -> dict:
 
     from producer.target import TargetCapture, choose_attn_implementation
 
-    _, batches = _batches(workdir)
+    job, batches = _batches(workdir)
     cut = plan.target_config()
     cut.num_hidden_layers = max(plan.LAYER_IDS) + 1
     torch.cuda.reset_peak_memory_stats()
@@ -189,20 +270,22 @@ def stage_producer(workdir: Path) -> dict:
     model.set_attn_implementation(choose_attn_implementation(type(model), "auto", "cuda"))
     model.norm = nn.Identity()  # as producer.target.load_target cuts it
     target = TargetCapture(model.requires_grad_(False).eval(), model.config, plan.LAYER_IDS, plan.TARGET["num_layers"])
-    buffer = torch.empty(plan.TOKENS_PER_BATCH, target.feature_width, dtype=torch.bfloat16, device="cuda")
+    buffer = torch.empty(job.data.tokens_per_batch, target.feature_width, dtype=torch.bfloat16, device="cuda")
     on_gpu = [(b.input_ids.cuda(), b.cu_seqlens, b.num_tokens) for b in batches]
 
     def run(b):
         target(b[0], b[1], out=buffer[: b[2]])
 
-    warm, timed = on_gpu[: plan.WARMUP_BATCHES], on_gpu[plan.WARMUP_BATCHES :]
+    warm, timed = on_gpu[: check.WARMUP_BATCHES], on_gpu[check.WARMUP_BATCHES :]
     c0 = dynamo_counts()
-    _timed(run, warm)
+    warm_s = _timed(run, warm)
     c1 = dynamo_counts()
     seconds = _timed(run, timed)
     c2 = dynamo_counts()
     tokens = sum(b[2] for b in timed)
     return {
+        **compile_split(warm_s, sum(b[2] for b in warm), seconds, tokens),
+        "tokens_per_batch": job.data.tokens_per_batch,
         "ok": True,
         "timed_batches": len(timed),
         "timed_tokens": tokens,
@@ -213,7 +296,7 @@ def stage_producer(workdir: Path) -> dict:
     }
 
 
-def stage_consumer(workdir: Path) -> dict:
+def stage_consumer(workdir: Path, opts) -> dict:
     """One drafter's train_batch on the plan's batches with random features (the step's cost does not depend on
     their values); warm-up, then the unseen batches timed; then the NVML sampler on / off over the same
     batches. Nothing is saved (no checkpoint, no Adam state on disk)."""
@@ -230,10 +313,12 @@ def stage_consumer(workdir: Path) -> dict:
     embed = torch.randn(t["vocab_size"], t["hidden_size"], dtype=torch.bfloat16, device="cuda") * 0.02
     parts = plan.target_parts(workdir / "assets" / "target", embed, torch.randn_like(embed) * 0.02)
     # the job's tokens_per_batch sizes the anchor budget and flex's one compiled shape, as in the consumer
+    start = time.perf_counter()
     trainer = Trainer(job.drafters[0], parts, plan.LAYER_IDS, "cuda:0", tokens_per_batch=job.data.tokens_per_batch)
     trainer.warmup()
+    setup_s = time.perf_counter() - start
     features = torch.randn(
-        plan.TOKENS_PER_BATCH, len(plan.LAYER_IDS) * t["hidden_size"], dtype=torch.bfloat16, device="cuda"
+        job.data.tokens_per_batch, len(plan.LAYER_IDS) * t["hidden_size"], dtype=torch.bfloat16, device="cuda"
     )  # the copy-out buffer; each batch reads its first T rows
 
     def run(b):
@@ -241,9 +326,9 @@ def stage_consumer(workdir: Path) -> dict:
             features[: b.num_tokens], b.input_ids.cuda(), b.loss_mask, b.cu_seqlens, b.seq
         )  # masks: host
 
-    warm, timed = batches[: plan.WARMUP_BATCHES], batches[plan.WARMUP_BATCHES :]
+    warm, timed = batches[: check.WARMUP_BATCHES], batches[check.WARMUP_BATCHES :]
     c0 = dynamo_counts()
-    _timed(run, warm)
+    warm_s = setup_s + _timed(run, warm)  # the trainer's build and the loss kernels' autotune count as compile
     c1 = dynamo_counts()
     seconds = _timed(run, timed)
     c2 = dynamo_counts()
@@ -256,6 +341,8 @@ def stage_consumer(workdir: Path) -> dict:
         sampler.stop()
     tokens = sum(b.num_tokens for b in timed)
     return {
+        **compile_split(warm_s, sum(b.num_tokens for b in warm), seconds, tokens),
+        "tokens_per_batch": job.data.tokens_per_batch,
         "ok": True,
         "timed_batches": len(timed),
         "timed_tokens": tokens,
@@ -295,7 +382,7 @@ class NvmlPeak:
         return round(self.peak / 2**30, 2)
 
 
-def stage_pipeline(workdir: Path) -> dict:
+def stage_pipeline(workdir: Path, opts) -> dict:
     """The real processes (telemetry with NVML, the producer, one consumer per drafter) on the small target
     checkpoint: tokens/s over telemetry's windows for PIPELINE_S seconds after the first trained window, the
     GPU's NVML peak; then SIGKILL (no checkpoint is written: no Adam state on disk)."""
@@ -305,7 +392,7 @@ def stage_pipeline(workdir: Path) -> dict:
     job = load_job(job_path)
     logs = workdir / "pipe" / "gpu-check-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = check.with_root(dict(os.environ))
     env.pop("TRITON_INTERPRET", None)
     roles = [
         ("telemetry", ["-m", "telemetry", "--job", str(job_path)]),
@@ -327,16 +414,16 @@ def stage_pipeline(workdir: Path) -> dict:
                     start_new_session=True,
                 )
         metrics = job.run_paths.metrics_jsonl
-        deadline = time.monotonic() + plan.PIPELINE_START_S
+        deadline = time.monotonic() + check.PIPELINE_START_S
         while not (metrics.exists() and window_figures(metrics)["windows"] > 0):  # the first trained window
             dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"the pipeline did not start training in {plan.PIPELINE_START_S} s (exited: {dead}); logs in {logs}"
+                    f"the pipeline did not start training in {check.PIPELINE_START_S} s (exited: {dead}); logs in {logs}"
                 )
             time.sleep(1)
         started_s = time.perf_counter() - start
-        time.sleep(plan.PIPELINE_S)
+        time.sleep(check.PIPELINE_S)
         figures = window_figures(metrics)
         dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
     finally:
@@ -351,7 +438,10 @@ def stage_pipeline(workdir: Path) -> dict:
         "ok": not dead and bool(rates),
         "exited_during_run": dead,
         "start_to_first_window_s": round(started_s, 1),
-        "seconds": plan.PIPELINE_S,
+        "compile_s": round(started_s, 1),  # imports, the checkpoint's load, every process's compiles
+        "run_s": check.PIPELINE_S,
+        "tokens_per_batch": job.data.tokens_per_batch,
+        "seconds": check.PIPELINE_S,
         **figures,
         "pipeline_tokens_per_s": min(rates) if rates else None,
         "gpu_mem_peak_gib": mem,
@@ -359,7 +449,7 @@ def stage_pipeline(workdir: Path) -> dict:
     }
 
 
-def stage_export(workdir: Path) -> dict:
+def stage_export(workdir: Path, opts) -> dict:
     """A one-layer drafter of the target's shape trained two steps, exported as the consumer exports it (weights
     and config only), reloaded with AutoModel.from_pretrained(trust_remote_code) and compared."""
     import torch
@@ -373,10 +463,13 @@ def stage_export(workdir: Path) -> dict:
 
     parts = load_target_parts(workdir / "assets" / "target")
     cfg = DrafterConfig(name="export", num_layers=1, block_size=16, mask_token_id=0, devices=["cuda:0"])
-    T = 4096
+    T = plan.EXPORT_TOKENS
     trainer = Trainer(cfg, parts, plan.PIPELINE_LAYER_IDS, "cuda:0", tokens_per_batch=T)
     ids = torch.randint(0, 2000, (T,), device="cuda")
-    for seq in range(2):
+    steps_s = []
+    for seq in range(2):  # the first step compiles flex at this shape: its extra seconds are compile_s
+        torch.cuda.synchronize()
+        step_start = time.perf_counter()
         hidden = torch.randn(T, len(plan.PIPELINE_LAYER_IDS) * parts.hidden_size, dtype=torch.bfloat16, device="cuda")
         trainer.train_batch(
             hidden,
@@ -385,6 +478,8 @@ def stage_export(workdir: Path) -> dict:
             torch.tensor([0, T // 2, T], dtype=torch.int32),
             seq,
         )
+        torch.cuda.synchronize()
+        steps_s.append(time.perf_counter() - step_start)
     out = Path(tempfile.mkdtemp(prefix="export-", dir=workdir))
     write_export(
         out,
@@ -405,11 +500,15 @@ def stage_export(workdir: Path) -> dict:
         "ok": same,
         "tensors": len(saved),
         "weights_equal": same,
+        "compile_s": round(max(steps_s[0] - steps_s[1], 0.0), 1),
+        "run_s": round(2 * steps_s[1], 1),
         "export_mib": round(sum(f.stat().st_size for f in out.iterdir()) / 2**20, 1),
     }
 
 
 STAGES = {
+    "ipc": stage_ipc,
+    "imports": stage_imports,
     "tests": stage_tests,
     "memory": stage_memory,
     "assets": stage_assets,
@@ -424,12 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check_stages", description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=sorted(STAGES))
     ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument(
+        "--device-memory", type=float, default=None, help="GiB the shapes are sized to (default: the device's)"
+    )
+    ap.add_argument("--no-ipc", action="store_true", help="tests: leave out the files that need CUDA IPC")
     args = ap.parse_args(argv)
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever a library prints goes to stderr: stdout carries the one JSON line
     start = time.perf_counter()
     try:
-        result = STAGES[args.stage](args.workdir)
+        result = STAGES[args.stage](args.workdir, args)
     except Exception as err:  # the stage's failure is its figure: reported, and the others still run
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check, gpu_check_stages
+from bench import gpu_check, gpu_check_plan, gpu_check_stages
+from bench.gpu_check_plan import PLAN, size_for
 from common.config import load_job
 from common.memory_plan import WARN_FRACTION
 
@@ -24,32 +25,131 @@ def test_without_cuda_it_prints_the_plan_with_budgets_exits_0_and_writes_nothing
         [sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    assert "no CUDA device is visible" in proc.stdout
-    assert "  pipeline   110 s   95.7 GiB  telemetry (NVML) + producer + 2 consumers" in proc.stdout
-    for stage, (secs, _, _) in gpu_check.PLAN.items():
-        assert f"  {stage:9s} {secs:4d} s " in proc.stdout
-    assert "  total      480 s" in proc.stdout
+    assert "no CUDA device is visible" in proc.stdout and "an H200's, no device seen" in proc.stdout
+    assert "  pipeline     60 s   50 s   110 s  95.7 GiB  telemetry (NVML) + producer + 2 consumers" in proc.stdout
+    for stage, p in PLAN.items():
+        assert f"  {stage:9s} {p.compile_s:5d} s {p.run_s:4d} s {p.budget_s:5d} s " in proc.stdout
+    assert "  total       220 s  295 s   515 s" in proc.stdout
     assert md.read_bytes() == before
 
 
+def _planned(out: str) -> dict[str, float]:
+    """stage → planned GiB from --plan's lines."""
+    rows = [li.split() for li in out.splitlines() if li.startswith("  ") and li.split()[0] in PLAN]
+    return {r[0]: float(r[7]) for r in rows if r[8] == "GiB"}
+
+
+@pytest.mark.parametrize(
+    ("gib", "pipeline", "pipeline_tokens"), [(79, 67.8, "7,168"), (139.7, 95.7, "12,288"), (143.8, 95.7, "12,288")]
+)
+def test_plan_sizes_every_stage_to_the_given_memory(gib, pipeline, pipeline_tokens):
+    """An H100 (79 GiB) gets a smaller pipeline batch, every stage within 92 % of it; an H200 today's plan."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--plan", "--device-memory", str(gib)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    planned = _planned(proc.stdout)
+    assert planned == {
+        "ipc": 1.0, "memory": 0.5, "assets": 5.0, "producer": 16.0, "consumer": 55.1, "pipeline": pipeline, "export": 8.5
+    }  # fmt: skip
+    assert max(planned.values()) <= WARN_FRACTION * gib and "skipped" not in proc.stdout
+    assert f"for 40 s at {pipeline_tokens} tokens" in proc.stdout
+
+
+def test_a_device_too_small_for_a_stage_skips_it_and_says_why():
+    sizing = size_for(40)
+    assert (sizing.stage_tokens, sizing.pipeline_tokens) == (8192, None)
+    assert sizing.does_not_fit() == {"pipeline": "does not fit 40 GiB (51.6 GiB planned at 4096 tokens; 36.8 usable)"}
+    assert size_for(79).stage_tokens == 16384 and size_for(139.7).pipeline_tokens == 12288
+
+
 def test_the_plan_fits_the_lend_every_stage_its_budget_and_the_gpu_its_memory():
-    budgets = [secs for secs, _, _ in gpu_check.PLAN.values()]
-    assert max(budgets) <= gpu_check.STAGE_LIMIT_S == 240 and sum(budgets) <= gpu_check.TOTAL_LIMIT_S == 480
-    assert set(gpu_check.PLAN) == set(gpu_check_stages.STAGES)  # every stage is planned, every planned one runs
-    planned = [gib for _, gib, _ in gpu_check.PLAN.values() if gib is not None]
-    assert len(planned) == len(gpu_check.PLAN) - 1 and max(planned) <= WARN_FRACTION * gpu_check.H200_GIB
+    budgets = [p.budget_s for p in PLAN.values()]
+    limits = (gpu_check_plan.STAGE_LIMIT_S, gpu_check_plan.TOTAL_LIMIT_S)
+    assert max(budgets) <= limits[0] == 240 and sum(budgets) <= limits[1] == 540
+    assert set(PLAN) == set(gpu_check_stages.STAGES)  # every stage is planned, every planned one runs
+    assert next(iter(PLAN)) == "ipc" and [s for s, p in PLAN.items() if p.needs_ipc] == ["pipeline"]
     # the pipeline's own wait fits its budget: start, the measured window, and the kill
     assert gpu_check.budget("pipeline") >= gpu_check.PIPELINE_START_S + gpu_check.PIPELINE_S + 10
 
 
 @pytest.mark.slow
 def test_the_planned_memory_is_the_planners_output_at_the_stages_shapes():
-    replanned = gpu_check.planned_memory()
-    assert replanned == {k: gib for k, (_, gib, _) in gpu_check.PLAN.items() if gib is not None}
+    replanned = gpu_check_plan.planned_memory()
+    assert replanned == {
+        "fixed": gpu_check_plan.FIXED_GIB,
+        "stages": gpu_check_plan.STAGE_SHAPES,
+        "pipeline": gpu_check_plan.PIPELINE_SHAPES,
+    }
+
+
+def test_ipc_probe_without_cuda_says_no_cuda():
+    from bench.ipc_probe import probe, verdict
+
+    answer = probe()
+    assert answer["cuda"] is False and answer["cuda_ipc"] is False
+    assert answer["says"].startswith("no CUDA: ") and "the ring cannot run here" in answer["says"]
+    failed = verdict(True, False, "export: RuntimeError: CUDA error: operation not supported")
+    assert failed["says"] == (
+        "CUDA IPC does not work here (export: RuntimeError: CUDA error: operation not supported): the ring cannot"
+        " run; the single-process stages still run, the pipeline stage and the ring's CUDA tests are skipped"
+    )
+    assert verdict(True, True)["says"].endswith("the ring can run")
+
+
+def _fake_stages(ipc: dict, calls: list):
+    def run(name, workdir, args):
+        calls.append((name, args))
+        if name == "ipc":
+            return {"stage": "ipc", "ok": True, **ipc}
+        return {"stage": name, "ok": True, "wall_s": 1.0}
+
+    return run
+
+
+def test_without_cuda_ipc_the_single_process_stages_run_and_the_report_says_what_was_skipped(tmp_path, capsys):
+    from bench.ipc_probe import verdict
+
+    calls = []
+    ipc = verdict(True, False, "the other process: RuntimeError: invalid device context")
+    results = gpu_check.run_stages(tmp_path, size_for(79), set(), run=_fake_stages(ipc, calls))
+    assert [n for n, _ in calls] == ["ipc", "imports", "tests", "memory", "assets", "producer", "consumer", "export"]
+    assert dict(calls)["tests"] == ["--device-memory", "79", "--no-ipc"]
+    assert results["pipeline"] == {
+        "stage": "pipeline",
+        "ok": None,
+        "skipped": "no CUDA IPC between processes here (the other process: RuntimeError: invalid device context):"
+        " the slot ring cannot run",
+    }
+    assert "CUDA IPC does not work here" in capsys.readouterr().err
+    table = gpu_check.render_table({"started": "now", "device": "H100", **results})
+    assert "| pipeline, 2 drafters, tokens/s (slowest drafter) | skipped: no CUDA IPC between processes here" in table
+    assert "| CUDA IPC between two processes (the ring) | False |" in table
+
+
+def test_with_cuda_ipc_every_stage_runs_and_the_tests_keep_the_ring_files(tmp_path):
+    from bench.ipc_probe import verdict
+
+    calls = []
+    results = gpu_check.run_stages(tmp_path, size_for(139.7), {"memory"}, run=_fake_stages(verdict(True, True), calls))
+    assert [n for n, _ in calls] == [s for s in PLAN if s != "memory"]
+    assert dict(calls)["tests"] == ["--device-memory", "139.7"] and results["memory"]["skipped"] == "--skip"
+
+
+def test_the_tests_stage_collects_the_cuda_test_files_only():
+    files = gpu_check_stages.cuda_test_files()
+    assert "tests/consumer/test_drafter_cuda.py" in files and "tests/common/test_ring.py" in files
+    assert "tests/e2e/test_launch.py" not in files and all(f.startswith("tests/") for f in files)
+    assert set(gpu_check_stages.IPC_TEST_FILES) <= set(files)
 
 
 def test_a_failing_stage_still_gives_its_json_line(tmp_path):
-    result = gpu_check.run_stage("memory", tmp_path)  # no CUDA here: the stage fails inside, as on a broken GPU
+    result = gpu_check.run_stage("memory", tmp_path, [])  # no CUDA here: the stage fails inside, as on a broken GPU
     assert result["stage"] == "memory" and result["ok"] is False
     assert result["error"].split(":")[0] in {"RuntimeError", "AssertionError"} and result["wall_s"] >= 0
 
@@ -67,11 +167,11 @@ def test_the_stage_plan_has_batches_the_warmup_never_sees(tmp_path):
         assets,
         "stage_chats.jsonl",
         1,
-        gpu_check.TOKENS_PER_BATCH,
+        max(gpu_check_plan.STAGE_SHAPES),
     )
     _, batches = gpu_check_stages._batches(tmp_path)
     timed = batches[gpu_check.WARMUP_BATCHES :]
-    assert len(timed) >= 8 and all(b.num_tokens <= gpu_check.TOKENS_PER_BATCH for b in batches)
+    assert len(timed) >= 8 and all(b.num_tokens <= max(gpu_check_plan.STAGE_SHAPES) for b in batches)
     assert len({b.num_tokens for b in timed}) > 1  # varying lengths: the compile counters see new shapes
 
 
@@ -137,6 +237,8 @@ def test_the_table_goes_between_the_markers_and_a_failed_stage_says_why(tmp_path
             "tokens_per_s": 51234.5,
             "gpu_mem_peak_gib": 16.1,
             "recompiles_in_timed_batches": 0,
+            "compile_s": 12.5,
+            "run_s": 30.0,
             "wall_s": 50.0,
         },
         "consumer": {
@@ -155,6 +257,7 @@ def test_the_table_goes_between_the_markers_and_a_failed_stage_says_why(tmp_path
     assert text.startswith("# title\n\n") and text.endswith(f"{gpu_check.MD_END}\ntail\n")
     assert "old" not in text
     assert "stage wall s: tests 95, producer 50, consumer 90, pipeline 70, export 20." in text
+    assert "| compile s / run s, producer | 12.5 / 30 |" in text
     assert "| CUDA-marked tests (Triton compiled) | 31 passed, 0 failed, 0 errors, 2 skipped |" in text
     assert "| producer alone (36-layer 8B-shaped target), tokens/s | 51234.5 |" in text
     assert "| GPU memory peak, consumer (torch allocator) | 58.2 GiB |" in text
@@ -191,7 +294,7 @@ def test_the_job_files_it_writes_are_valid_jobs(tmp_path):
             assets,
             "chats.jsonl",
             gpu_check.PIPELINE_EPOCHS,
-            gpu_check.PIPELINE_TOKENS_PER_BATCH,
+            max(gpu_check_plan.PIPELINE_SHAPES),
         )
     )
     assert job.target.layer_ids == [1, 2, 3, 4, 5] and job.target.dtype == "bfloat16"
