@@ -5,7 +5,9 @@
 #   ./launch.sh JOB.toml         run a job
 #   ./launch.sh JOB.toml --dry-run           print the process list, the device map and each GPU's planned
 #                                            memory peak (--device-memory GIB: the size of GPUs NVML cannot
-#                                            report; --target-config DIR: the target's config.json elsewhere)
+#                                            report; --target-config DIR: the target's config.json elsewhere),
+#                                            then each stage's time per batch, the bottleneck and samples/s
+#                                            (--device h100|h200, --sample-tokens N: the samples' mean length)
 #   options: --grace SECONDS (default 60)    how long a stop (SIGINT/SIGTERM/SIGHUP) waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
@@ -34,13 +36,13 @@ nnodes=${NNODES:-1} node_rank=${NODE_RANK:-0}
 while (($#)); do
   case $1 in
     --dry-run) dry=1 ;;
-    --device-memory|--target-config) memory_opts+=("$1" "$2"); shift ;;
+    --device-memory|--target-config|--device|--sample-tokens) memory_opts+=("$1" "$2"); shift ;;
     --grace) grace=$2; shift ;;
     --nnodes) nnodes=$2; shift ;;
     --node-rank) node_rank=$2; shift ;;
     --master-addr) export MASTER_ADDR=$2; shift ;;
     --master-port) export MASTER_PORT=$2; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) echo "launch.sh: unknown option $1" >&2; exit 2 ;;
     *) job=$1 ;;
   esac

@@ -4,6 +4,8 @@
     python -m common.launch_plan JOB.toml --device-map    which process on which device (launch.sh --dry-run)
     python -m common.launch_plan JOB.toml --device-map --memory [--device-memory GIB] [--target-config DIR]
                                     and each device's planned GPU memory peak (common/memory_plan.py)
+                                    then each stage's time per batch, the bottleneck and samples/s
+                                    [--device h100|h200] [--sample-tokens N] (common/throughput_plan.py)
     python -m common.launch_plan JOB.toml --env-files DIR   systemd: one environment file per process, units to enable
 
 Each line: `name critical log_path command...` separated by tabs, the command's words shell-quoted.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 from common.config import ConfigError, DrafterConfig, JobConfig, load_job
 from common.memory_plan import GIB, ProcessMemory, nvml_device_bytes, render
+from common.throughput_plan import DEVICES, throughput_report
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
@@ -303,6 +306,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the target's model directory for the memory plan (default: target.path)",
     )
     ap.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        default=None,
+        help="the GPU kind the throughput plan assumes (default: the one --device-memory suggests, else h100)",
+    )
+    ap.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the samples' mean length for the throughput plan's samples/s (default: data.max_length)",
+    )
+    ap.add_argument(
         "--env-files",
         metavar="DIR",
         help="write each process's systemd environment file into DIR (deploy/systemd) and print the units to enable",
@@ -342,6 +358,18 @@ def main(argv: list[str] | None = None) -> int:
             print(table)
             for w in warnings:
                 print(w)
+            if on_gpu(job):  # the time side (common/throughput_plan.py)
+                print(
+                    throughput_report(
+                        job,
+                        os.path.abspath(args.job),
+                        args.python,
+                        args.target_config,
+                        args.device,
+                        args.device_memory,
+                        args.sample_tokens,
+                    )
+                )
         return 0
     for p in procs:
         print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")

@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from consumer.memory_plan import main as memory_plan
 
         return memory_plan(argv[1:])
+    if argv[:1] == ["throughput-plan"]:  # each drafter's work a batch (consumer/throughput_plan.py)
+        from consumer.throughput_plan import main as throughput_plan
+
+        return throughput_plan(argv[1:])
     ap = argparse.ArgumentParser(prog="dflash-consumer", description=__doc__)
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--drafter", required=True, help="drafter name, as in [[drafters]] name")
