@@ -248,7 +248,7 @@ NEEDS = {
 LEFT_OUT = {
     "wandb": "imported only when telemetry.wandb_mode is not 'disabled' (telemetry/sinks.py); gpu_check's job"
     " disables it, and the CUDA test files do not import it",
-    "datasets": "hub datasets and dflash-eval --bench only (common/hub.py, consumer/benchmarks.py); gpu_check's"
+    "datasets": "hub datasets and dflash-eval --bench only (common/hub.py, evaluation/benchmarks.py); gpu_check's"
     " chats are local JSON lines",
     "pyarrow": "parquet data only (producer/records.py)",
     "matplotlib": "telemetry.plot at a run's end; the pipeline stage ends by SIGKILL",

@@ -221,7 +221,7 @@ class DFlash2Drafter(DFlashDrafter):
 
 
 class DFlash2Proposer:
-    """A trained DFlash2 drafter behind consumer.speculative's Drafter protocol (greedy: the walk from the anchor
+    """A trained DFlash2 drafter behind evaluation.speculative's Drafter protocol (greedy: the walk from the anchor
     over the edge scores; no draft_logits, since its q is the selector's restricted one: sampling is served by
     the exported spec_generate)."""
 

@@ -315,7 +315,7 @@ def print_held_out(job) -> None:
 
 def evaluate_demo(job_path: str | Path, limit: int | None = None, max_new_tokens: int = 160) -> tuple[dict, bool]:
     """Evaluate every drafter of the demo job on the held-out prompts; (reports by name, all lossless)."""
-    from consumer.evaluate import format_report, run_eval  # imported late: prepare needs no drafter code
+    from evaluation.evaluate import format_report, run_eval  # imported late: prepare needs no drafter code
 
     job = load_job(job_path)
     heldout = Path(job.job.run_dir) / "assets" / "heldout.jsonl"

@@ -3,7 +3,7 @@
     RUN_DIR/plots/training.png     loss and τ (tau_est) against step, tokens/s against time, per drafter replica;
                                    the held-out loss and τ of the validation passes (data.validation) dashed
     RUN_DIR/plots/acceptance.png   the evaluation's acceptance-length histogram per drafter (from RUN_DIR/eval.json,
-                                   which the demo writes, or --eval FILE: `consumer.evaluate --json` output)
+                                   which the demo writes, or --eval FILE: `dflash-eval --json` output)
 
 Read from RUN_DIR/telemetry/metrics.jsonl (one telemetry window a line), so they need neither W&B nor a live job;
 launch.sh draws them when a job ends. Matplotlib runs on its Agg backend (no display). Exit status: 0 written;
@@ -137,7 +137,7 @@ def plot_training(metrics_path: Path, out: Path) -> Path:
 
 
 def read_reports(eval_path: Path) -> dict[str, dict]:
-    """{drafter: report} from the demo's eval.json ({name: report}) or one `consumer.evaluate --json` report."""
+    """{drafter: report} from the demo's eval.json ({name: report}) or one `dflash-eval --json` report."""
     try:
         doc = json.loads(eval_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -146,7 +146,7 @@ def read_reports(eval_path: Path) -> dict[str, dict]:
     if not isinstance(reports, dict) or not all(
         isinstance(r, dict) and isinstance(r.get("tau_histogram"), list) for r in reports.values()
     ):
-        raise PlotError(f"{eval_path}: no tau_histogram in it (expected consumer.evaluate's report)")
+        raise PlotError(f"{eval_path}: no tau_histogram in it (expected a dflash-eval report)")
     return reports
 
 

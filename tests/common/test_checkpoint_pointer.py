@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from common.accounting_check import final_ledger_id
 from common.checkpoint_pointer import read_pointer, write_pointer
 from consumer.checkpoint import load_latest, save_checkpoint
-from consumer.evaluate import resolve_export_dir
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
+from evaluation.evaluate import resolve_export_dir
 from tests.consumer.test_drafter_common import (
     LAYER_IDS,
     distinct_seqs,

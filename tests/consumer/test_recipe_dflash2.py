@@ -477,11 +477,11 @@ def test_served_walk_equals_the_trained_selector_and_q_lives_on_the_candidates(t
 
 
 def test_dflash_eval_loads_the_export_and_decodes_with_the_same_walk(trained):
-    """consumer/evaluate.py (dflash-eval) on the DFlash2 export: every step proposes what the shipped modeling
+    """evaluation/evaluate.py (dflash-eval) on the DFlash2 export: every step proposes what the shipped modeling
     file proposes, decoding equals the target's greedy output with the same acceptance lengths; temperature > 0
     is refused with the reason (the selector's q is served by spec_generate)."""
-    from consumer.evaluate import load_drafter, load_target
-    from consumer.speculative import speculative_generate
+    from evaluation.evaluate import load_drafter, load_target
+    from evaluation.speculative import speculative_generate
 
     target, trainer, ckpt, draft, prompts = trained
     proposer = load_drafter(ckpt, trainer.parts.path)

@@ -13,7 +13,6 @@ import transformers
 from pydantic import ValidationError
 
 from common.config import DrafterConfig, default_sliding_block_attention
-from consumer.evaluate import load_drafter
 from consumer.export.dflash import layer_is_causal
 from consumer.export.layout import export_config, write_export
 from consumer.mask_token import mask_token_text
@@ -22,6 +21,7 @@ from consumer.objective import attention_masks, build_draft_batch
 from consumer.sliding_rule import SlidingRuleError, export_keys, served_rule, serving_caveats
 from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
+from evaluation.evaluate import load_drafter
 from tests.consumer.test_drafter_common import LAYER_IDS, drafter_cfg, target_features, tiny_target
 
 B, MASK, EOS = 4, 99, 3

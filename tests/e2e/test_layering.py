@@ -1,19 +1,22 @@
-"""No role imports another role: producer, consumer and telemetry share only common/, and the demo (which
-uses both training roles) is used by no role. Every import statement counts, lazy ones inside functions too."""
+"""No role imports another role: producer, consumer and telemetry share only common/; evaluation/ builds on
+consumer/'s drafters and no role imports it; the demo (which uses both training roles and evaluation) is used by
+no role. Every import statement counts, lazy ones inside functions too."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "producer", "consumer", "telemetry", "demo", "bench", "tests")
+PACKAGES = ("common", "producer", "consumer", "evaluation", "telemetry", "demo", "bench", "tests")
 ALLOWED = {
     "common": set(),
     "producer": {"common"},
     "consumer": {"common"},
+    "evaluation": {"common", "consumer"},  # decodes with the drafters consumer/ trains and exports
     "telemetry": {"common"},
-    "demo": {"common", "producer", "consumer"},
+    "demo": {"common", "producer", "consumer", "evaluation"},
 }
 
 
@@ -46,8 +49,88 @@ def test_each_package_imports_only_what_its_layer_allows(package):
 def test_the_checker_sees_lazy_imports(tmp_path):
     """A late `from consumer.x import y` inside a function is an import like any other."""
     src = tmp_path / "m.py"
-    src.write_text("import os\n\ndef f():\n    from consumer.evaluate import run_eval\n    import telemetry.nvml\n")
-    assert imported_packages(src) == {"consumer", "telemetry"}
+    src.write_text("import os\n\ndef f():\n    from evaluation.evaluate import run_eval\n    import telemetry.nvml\n")
+    assert imported_packages(src) == {"evaluation", "telemetry"}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports: every import statement, lazy and TYPE_CHECKING ones too (a
+    circle through a type annotation still ties two modules together). `from pkg import mod` names pkg.mod."""
+    modules = {module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != name and not name.startswith(t + "."):  # a package's own __init__ is no edge back
+                    found.add(t)
+        graph[name] = found
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between the project's modules (tests and bench included): each module can be read, and
+    imported, before the ones that use it."""
+    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    graph = import_graph(files)
+    assert len(graph) > 200 and graph["evaluation.cli"] >= {"evaluation.evaluate", "evaluation.benchmarks"}
+    assert import_circles(graph) == []
+
+
+def test_the_circle_finder_sees_a_circle_through_a_lazy_or_type_only_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "common"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from common.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from common import a\n")
+    (pkg / "c.py").write_text("import common.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = import_graph(sorted(pkg.glob("*.py")))
+    assert graph == {"common.a": {"common.b"}, "common.b": {"common.a"}, "common.c": {"common.a"}}
+    assert import_circles(graph) == [["common.a", "common.b"]]
 
 
 def test_producer_package_is_the_target_forward_service_alone():

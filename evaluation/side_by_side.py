@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from consumer.benchmarks import BenchPrompt, render
-from consumer.speculative import (
+from evaluation.benchmarks import BenchPrompt, render
+from evaluation.speculative import (
     Drafter,
     Generation,
     StopIds,

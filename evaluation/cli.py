@@ -6,8 +6,8 @@
     dflash-eval --target TARGET --drafter CKPT --prompts PROMPTS.jsonl [--limit N] [--json]
 
 CKPT is an export directory (config.json + model.safetensors, ours or z-lab's layout) or a checkpoint root
-holding `latest`. --bench runs the public benchmarks with z-lab's prompt construction (consumer/benchmarks.py)
-and prints one row per benchmark and drafter (consumer/eval_bench.py). --prompts is the single-drafter
+holding `latest`. --bench runs the public benchmarks with z-lab's prompt construction (evaluation/benchmarks.py)
+and prints one row per benchmark and drafter (evaluation/side_by_side.py). --prompts is the single-drafter
 report on one's own chat records. At temperature 0 every speculative output must equal the plain one token
 for token; any difference is a failure and the exit status is 1. Bad input exits 2 with one line.
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from consumer.benchmarks import BENCHMARKS, BenchmarkDataError, load_benchmark
-from consumer.eval_server import ServerError
-from consumer.evaluate import DTYPES, format_report, load_drafter, load_target, run_eval
+from evaluation.benchmarks import BENCHMARKS, BenchmarkDataError, load_benchmark
+from evaluation.evaluate import DTYPES, format_report, load_drafter, load_target, run_eval
+from evaluation.server import ServerError
 
 
 def drafter_arg(arg: str) -> tuple[str, str]:
@@ -106,7 +106,7 @@ def _emit(doc: dict, text: str, args) -> None:
 
 
 def _bench_main(args, kwargs: dict) -> int:
-    from consumer.eval_bench import document, format_table, run_benchmark
+    from evaluation.side_by_side import document, format_table, run_benchmark
 
     if not args.drafter:
         raise ValueError("--bench needs at least one --drafter (or --server URL)")
@@ -154,7 +154,7 @@ def _bench_main(args, kwargs: dict) -> int:
 
 
 def _server_main(args, kwargs: dict) -> int:
-    from consumer.eval_server import format_server, run_server
+    from evaluation.server import format_server, run_server
 
     if not args.bench:
         raise ValueError("--server needs --bench (the prompts to send)")

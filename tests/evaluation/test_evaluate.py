@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from consumer.evaluate import DFlashProposer, evaluate, main
 from consumer.model import DFlashDrafter, DrafterArch
-from consumer.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
+from evaluation.cli import main
+from evaluation.evaluate import DFlashProposer, evaluate
+from evaluation.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 
 VOCAB = 256
 LAYER_IDS = [1, 3]
@@ -153,7 +154,7 @@ def test_sampling_path_at_a_vanishing_temperature_is_greedy(target, prompts):
 
 
 def test_a_mismatch_is_reported(target, prompts, monkeypatch):
-    import consumer.evaluate as ev
+    import evaluation.evaluate as ev
 
     def corrupted(*args, **kwargs):
         g = speculative_generate(*args, **kwargs)
@@ -238,9 +239,9 @@ def test_hybrid_wrapper_and_sink_targets_with_a_sliding_drafter(tmp_path, arch):
     equal the AutoModel export's)."""
     import transformers
 
-    from consumer.evaluate import load_drafter, load_target
     from consumer.export.layout import export_config, write_export
     from consumer.target_parts import load_target_parts
+    from evaluation.evaluate import load_drafter, load_target
     from tests.target_zoo import build_target
 
     path = build_target(arch, tmp_path / "target")

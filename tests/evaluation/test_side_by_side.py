@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from consumer.benchmarks import (
+from evaluation.benchmarks import (
     BENCHMARKS,
     BenchmarkDataError,
     BenchPrompt,
@@ -24,8 +24,8 @@ from consumer.benchmarks import (
     load_benchmark,
     select,
 )
-from consumer.eval_bench import format_table, run_benchmark
-from consumer.speculative import TargetRunner, greedy_generate
+from evaluation.side_by_side import format_table, run_benchmark
+from evaluation.speculative import TargetRunner, greedy_generate
 
 REPO = Path(__file__).resolve().parents[2]
 LAYER_IDS = [1, 3]
@@ -338,7 +338,7 @@ def test_table_tau_and_histograms_against_a_hand_count(assets):
 
 
 def test_sampling_path_reports_no_losslessness(assets):
-    from consumer.evaluate import load_drafter, load_target
+    from evaluation.evaluate import load_drafter, load_target
 
     drafter = load_drafter(assets["ours"], assets["target"])
     target = load_target(assets["target"], drafter.layer_ids)
@@ -351,7 +351,7 @@ def test_sampling_path_reports_no_losslessness(assets):
 
 
 def test_cli_two_drafters_side_by_side_with_a_zlab_layout(assets, tmp_path, capsys):
-    from consumer.evaluate import main
+    from evaluation.cli import main
 
     (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["gsm8k"]))
     (tmp_path / "mt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["mt-bench"]))
@@ -392,12 +392,12 @@ def test_cli_two_drafters_side_by_side_with_a_zlab_layout(assets, tmp_path, caps
 def test_cli_user_errors_exit_2_with_one_line(assets, tmp_path, capsys):
     """A benchmark not in an empty HF cache with HF_HUB_OFFLINE=1 (a real process, so `datasets` reads the
     variable at import as a user's would), then in-process a bad drafter path and a bad JSON option."""
-    from consumer.evaluate import main
+    from evaluation.cli import main
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO)}
     args = ["--target", str(assets["target"]), "--drafter", str(assets["ours"])]
     proc = subprocess.run(
-        [sys.executable, "-m", "consumer.evaluate", *args, "--bench", "gsm8k"],
+        [sys.executable, "-m", "evaluation", *args, "--bench", "gsm8k"],
         env=env,
         capture_output=True,
         text=True,

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from consumer.benchmarks import build_prompts
-from consumer.eval_server import parse_vllm_metrics, run_server
-from tests.consumer.test_eval_bench import QWEN3_LIKE_TEMPLATE, RECORDS
+from evaluation.benchmarks import build_prompts
+from evaluation.server import parse_vllm_metrics, run_server
+from tests.evaluation.test_side_by_side import QWEN3_LIKE_TEMPLATE, RECORDS
 
 HERE = Path(__file__).resolve().parents[1]
 # request 0 is the warm-up; requests 1..4 decode with steps [3, 1, 4], [2, 2], [8, 8, 8], [3, 1, 4]
@@ -121,7 +121,7 @@ def test_vllm_exposition_is_summed_over_engines_and_skips_created():
 
 
 def test_cli_server_sglang_json_and_unreachable(tmp_path, tokenizer_dir, capsys):
-    from consumer.evaluate import main
+    from evaluation.cli import main
 
     (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS["gsm8k"] * 2))
     proc, url = start("sglang", tmp_path)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from consumer.benchmarks import BenchPrompt, render_text
+from evaluation.benchmarks import BenchPrompt, render_text
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POSITION = re.compile(r'position="(\d+)"')

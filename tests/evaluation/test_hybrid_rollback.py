@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from consumer.speculative import TargetRunner
+from evaluation.speculative import TargetRunner
 from tests.target_zoo import text_config
 
 K = 5  # the verify block: anchor + 4 drafts

@@ -3,13 +3,12 @@
 CKPT is an export directory (config.json + model.safetensors, ours or z-lab's layout) or a checkpoint root
 holding `latest`. `run_eval` decodes one's own chat records plainly and speculatively and reports τ (the
 mean over responses of each response's mean acceptance length, dflash.md §4), its histogram, target
-forwards per token and the wall-clock speedup; the command is consumer/eval_cli.py (dflash-eval).
+forwards per token and the wall-clock speedup; the command is evaluation/cli.py (dflash-eval).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,11 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from common.checkpoint_pointer import read_pointer
 from consumer.dflash2 import DFlash2Drafter, DFlash2Proposer, DFlash2Shape
-from consumer.eval_bench import first_difference
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.sliding_rule import served_rule
-from consumer.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
 from consumer.target_parts import load_target_parts
+from evaluation.side_by_side import first_difference
+from evaluation.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -256,14 +255,3 @@ def run_eval(
     tokenizer = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True)
     prompts = load_prompts(prompts_path, tokenizer, limit)
     return evaluate(target, drafter, prompts, max_new_tokens, tokenizer.eos_token_id)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The dflash-eval command (consumer/eval_cli.py), kept here for `python -m consumer.evaluate`."""
-    from consumer.eval_cli import main as cli
-
-    return cli(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
