@@ -1,5 +1,6 @@
 """GPU memory of a job's processes, planned on a CPU-only machine: the record both roles' planners emit, the
-peak tracker they run their real code under, and the per-device sum launch.sh --dry-run prints.
+peak trackers they run their real code under (tracked_peak: a training step; frozen_peak: the frozen target's
+forward), and the per-device sum launch.sh --dry-run prints.
 
 Why fake tensors: `torch._subclasses.fake_tensor.FakeTensorMode` runs the model's own forward (and the drafter's
 backward and AdamW step) with tensors that carry shape, dtype and storage size but no data, so a Qwen3.6-27B
@@ -60,6 +61,54 @@ def tracked_peak(run: Callable[[], object], modules: Iterable = (), optimizers: 
         run()
     peaks = tracker.get_tracker_snapshot("peak")
     return int(sum(v["Total"] for dev, v in peaks.items() if isinstance(dev, torch.device)))
+
+
+def frozen_peak(run: Callable[[], object], modules: Iterable = ()) -> int:
+    """Peak bytes of every tensor storage alive while `run()` executes a forward of frozen modules (no parameter
+    requires grad, as the producer loads its target), counting the modules' parameters and buffers from the start.
+
+    MemTracker is a training tracker: it hooks every parameter's gradient, which a frozen parameter refuses, and
+    every module input that requires grad (transformers 5.25 calls qwen3_5's causal conv through a `kernels`
+    layer module whose input, a view of the conv weight, requires grad with no grad_fn under no_grad: its hook
+    asserts). This counts storages alone: each one an op reads or writes, once, until it is freed."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class StoragePeak(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: dict[int, weakref.ref] = {}  # id(storage) → a weak reference whose callback frees its bytes
+            self.live = self.peak = 0
+
+        def track(self, tensors: Iterable) -> None:
+            for t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                st = t.untyped_storage()
+                if id(st) in self.refs:
+                    continue
+                n = st.nbytes()
+                self.refs[id(st)] = weakref.ref(st, lambda _, key=id(st), n=n: self.free(key, n))
+                self.live += n
+            self.peak = max(self.peak, self.live)
+
+        def free(self, key: int, n: int) -> None:
+            if self.refs.pop(key, None) is not None:
+                self.live -= n
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.track(tree_leaves((args, kwargs, out)))
+            return out
+
+    tracker = StoragePeak()
+    tracker.track(t for m in modules for t in [*m.parameters(), *m.buffers()])
+    with tracker:
+        run()
+    return tracker.peak
 
 
 def device_totals(entries: Iterable[ProcessMemory]) -> dict[str, int]:

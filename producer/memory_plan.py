@@ -1,11 +1,12 @@
 """The producer's GPU memory at the job's real shapes, planned without a GPU (common/memory_plan.py says how).
 
 Per target rank: the weights of the decoder cut after its last captured layer (producer/target.py loads exactly
-that), counted on the meta device; the forward's transient peak, measured by MemTracker over a fake-tensor run of
-the model's own forward on a packed batch of tokens_per_batch tokens; the ring (slots × slot bytes) on rank 0's
-device; a CUDA context. A tensor-parallel rank is planned as the model with 1/tp of the attention heads, KV
-heads, linear-attention heads and MLP width (and 1/ep of the experts under expert parallelism): the shapes
-transformers' TP plan gives each rank, the residual stream replicated.
+that, without the final norm of a cut decoder), counted on the meta device; the forward's transient peak over a
+fake-tensor run of the model's own forward on a packed batch of tokens_per_batch tokens, the model frozen and
+run under inference_mode as the producer runs it (common.memory_plan.frozen_peak counts its storages); the ring
+(slots × slot bytes) on rank 0's device; a CUDA context. A tensor-parallel rank is planned as the model with
+1/tp of the attention heads, KV heads, linear-attention heads and MLP width (and 1/ep of the experts under
+expert parallelism): the shapes transformers' TP plan gives each rank, the residual stream replicated.
 
 The forward's activations grow linearly with the tokens of a batch (no [T, T] tensor on CUDA: flex or sdpa),
 so above FIT_TOKENS the peak is measured at two batch sizes and extended along that line; the fake run of a
@@ -23,8 +24,9 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from common.config import JobConfig, dflash_layer_ids
 from common.launch_plan import producer_name
-from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, tracked_peak
+from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, frozen_peak
 from common.packed_batch import required_slot_bytes
+from common.target_keys import set_layer_count
 from common.target_probe import EXPERT_COUNT_KEYS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,9 +64,7 @@ def captured_cut(text: PretrainedConfig, layer_ids: list[int] | None, num_featur
     """The text config the producer runs: cut after the last captured layer."""
     ids = list(layer_ids) if layer_ids else dflash_layer_ids(text.num_hidden_layers, num_features)
     cut = copy.deepcopy(text)
-    cut.num_hidden_layers = max(ids) + 1
-    if getattr(cut, "layer_types", None):
-        cut.layer_types = list(cut.layer_types[: cut.num_hidden_layers])
+    set_layer_count(cut, max(ids) + 1)  # as load_target cuts it
     return cut
 
 
@@ -89,21 +89,35 @@ def rank_shard(text: PretrainedConfig, tp: int, ep: int) -> PretrainedConfig:
 
 def prefix_of_every_kind(text: PretrainedConfig) -> PretrainedConfig:
     """The shortest leading stack that holds every layer kind of the cut model (its forward's per-layer peak is
-    the whole model's: inference frees each layer's activations before the next)."""
-    small = copy.deepcopy(text)
-    kinds = list(getattr(text, "layer_types", None) or ["layer"])
+    the whole model's: inference frees each layer's activations before the next). A kind is the layer's type
+    (full, sliding or linear attention) and the classes of its modules: DeepSeek-V3's and GLM-4.5's first
+    layers have a dense MLP and the rest experts, under one layer type."""
+    kinds = layer_kinds(text)
     need = set(kinds)
     n = next(i + 1 for i in range(len(kinds)) if set(kinds[: i + 1]) == need)
-    small.num_hidden_layers = n
-    if getattr(small, "layer_types", None):
-        small.layer_types = list(kinds[:n])
+    small = copy.deepcopy(text)
+    set_layer_count(small, n)
     return small
 
 
-def weight_bytes(text: PretrainedConfig, dtype: str) -> int:
-    """Parameters and buffers of the decoder `text` describes, built on the meta device (no memory)."""
+def layer_kinds(text: PretrainedConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """Each decoder layer's (layer type, sorted module class names), from the model built on the meta device."""
+    with torch.device("meta"):
+        model = AutoModel.from_config(text)
+    types = list(getattr(text, "layer_types", None) or [])
+    return [
+        (types[i] if i < len(types) else "", tuple(sorted({type(m).__name__ for m in layer.modules()})))
+        for i, layer in enumerate(model.layers)
+    ]
+
+
+def weight_bytes(text: PretrainedConfig, dtype: str, final_norm: bool = True) -> int:
+    """Parameters and buffers of the decoder `text` describes, built on the meta device (no memory); without
+    its final `norm` where the producer drops it (a cut decoder: the norm only feeds the LM head)."""
     with torch.device("meta"):
         model = AutoModel.from_config(text, dtype=DTYPES[dtype])
+    if not final_norm and hasattr(model, "norm"):
+        model.norm = torch.nn.Identity()
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
@@ -122,15 +136,15 @@ def forward_peak(text: PretrainedConfig, dtype: str, tokens: int) -> int:
 
     def at(t: int) -> int:
         with FakeTensorMode():
-            model = AutoModel.from_config(text, **options).eval()
+            model = AutoModel.from_config(text, **options).requires_grad_(False).eval()  # frozen, as load_target
             ids, pos = torch.zeros(1, t, dtype=torch.long), torch.arange(t)[None]
 
             def run():
-                with torch.no_grad():
+                with torch.inference_mode():  # as TargetCapture.forward
                     model(input_ids=ids, position_ids=pos, use_cache=False)
 
             weights = sum(x.untyped_storage().nbytes() for x in [*model.parameters(), *model.buffers()])
-            return tracked_peak(run, [model]) - weights
+            return frozen_peak(run, [model]) - weights
 
     if tokens <= FIT_TOKENS[1]:
         return at(tokens)
@@ -143,7 +157,7 @@ def plan_target(job: JobConfig, text: PretrainedConfig) -> list[ProcessMemory]:
     t = job.target
     cut = captured_cut(text, t.layer_ids, t.num_features)
     shard = rank_shard(cut, t.tp_size, t.ep_size)
-    weights = weight_bytes(shard, t.dtype)
+    weights = weight_bytes(shard, t.dtype, final_norm=cut.num_hidden_layers == text.num_hidden_layers)
     acts = forward_peak(prefix_of_every_kind(shard), t.dtype, job.data.tokens_per_batch)
     width = (len(t.layer_ids) if t.layer_ids else t.num_features) * int(text.hidden_size)
     ring = job.transport.slots * (
