@@ -58,7 +58,7 @@ fi
 
 plan_from() {  # the process list: derived from the job, or (tests' stand-in processes) read from a file
   if [[ -n ${DFLASH_LAUNCH_PLAN_FILE:-} ]]; then cat "$DFLASH_LAUNCH_PLAN_FILE"; return; fi
-  "$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes"
+  "$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes" $( ((dry)) || echo --check-target)
 }
 plan=$(plan_from) || exit 2
 if ((dry)); then
