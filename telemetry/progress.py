@@ -3,8 +3,8 @@
 launch.sh starts it beside the job's processes, so `make demo` (or any launch) is not silent for the minutes of
 training: step/total, loss, τ, tokens/s and ETA per drafter, as tqdm users expect. It only reads what the job
 already publishes (the telemetry process's republished windows, as `dflash-stats` does) and writes nothing
-but its lines: on a terminal the block of lines is redrawn in place; otherwise (a pipe, a log file) a plain
-line per drafter every DFLASH_PROGRESS_EVERY seconds (default 30) and when it finishes. It ends when every
+but its lines: on a terminal one line rewritten in place (a part per drafter); otherwise (a pipe, a log file)
+a plain line per drafter every DFLASH_PROGRESS_EVERY seconds (default 30) and at each change of state. It ends when every
 drafter of the job has exited, or when its launch.sh does (common/supervisor.py's parent-death signal).
 """
 
@@ -72,6 +72,17 @@ class Drafter:
         (t0, s0), (t1, s1) = self.history[0], self.history[-1]
         return (self.total_steps - self.step) * (t1 - t0) / (s1 - s0) if s1 > s0 and t1 > t0 else None
 
+    def short(self) -> str:
+        """The terminal's part: `d_b16 120/740 loss 2.314 τ 3.10 1.5k tok/s ETA 5:15`."""
+        if self.step is None:
+            return f"{self.name} {self.state or 'waiting'}"
+        rate = "-" if self.tokens_per_s is None else f"{self.tokens_per_s / 1000:.1f}k"
+        state = "" if self.state == "live" else f" [{self.state}]"
+        return (
+            f"{self.name} {self.step}/{self.total_steps} loss {fmt(self.loss, '.3f')} τ {fmt(self.tau, '.2f')}"
+            f" {rate} tok/s ETA {clock(self.eta_s())}{state}"
+        )
+
     def line(self) -> str:
         if self.step is None:
             return f"{self.name}: {self.state or 'waiting'}"
@@ -98,21 +109,21 @@ def drafter_of(source: dict[str, Any]) -> str | None:
 
 
 class Display:
-    """A block of lines redrawn in place on a terminal; plain lines, every `every_s` and at a change of state
-    (a finish, a phase), elsewhere."""
+    """On a terminal one line, rewritten in place (carriage return), with a part per drafter: it never moves the
+    cursor up, so whatever launch.sh prints meanwhile (a failure, its log tail) is never overwritten. Elsewhere
+    a plain line per drafter, every `every_s` and at a change of state (a finish, a phase)."""
 
     def __init__(self, out: TextIO, every_s: float) -> None:
         self.out, self.every_s = out, every_s
         self.tty = out.isatty()
-        self.drawn = 0  # lines of the block on the terminal
+        self.drawn = False  # a line is on the terminal, not yet ended
         self.printed: dict[str, tuple[float, str | None]] = {}  # plain mode: when and in which state, per drafter
 
     def show(self, drafters: list[Drafter], now: float) -> None:
         if self.tty:
-            width = max(20, shutil.get_terminal_size().columns - 1)  # never wrap: a wrapped line breaks the redraw
-            up = f"\x1b[{self.drawn}F" if self.drawn else ""
-            self.out.write(up + "".join(f"\x1b[2K{d.line()[:width]}\n" for d in drafters))
-            self.drawn = len(drafters)
+            width = max(20, shutil.get_terminal_size().columns - 1)  # never wrap: a wrapped line breaks the \r
+            self.out.write("\r" + " | ".join(d.short() for d in drafters)[:width] + "\x1b[K")
+            self.drawn = True
         else:
             for d in drafters:
                 when, state = self.printed.get(d.name, (None, None))
@@ -120,6 +131,13 @@ class Display:
                     self.out.write(f"progress: {d.line()}\n")
                     self.printed[d.name] = (now, d.state)
         self.out.flush()
+
+    def close(self) -> None:
+        """End the terminal's line, so what follows starts on a line of its own."""
+        if self.drawn:
+            self.out.write("\n")
+            self.out.flush()
+            self.drawn = False
 
 
 def run(job_file: str, out: TextIO, every_s: float, timeout_s: float = 3600.0) -> int:
@@ -152,6 +170,7 @@ def run(job_file: str, out: TextIO, every_s: float, timeout_s: float = 3600.0) -
             if seen and all(d.finished for d in drafters.values()):
                 return 0
     finally:
+        display.close()
         sock.close()
         context.term()
 

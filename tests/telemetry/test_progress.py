@@ -1,6 +1,6 @@
 """The progress line per drafter (telemetry/progress.py): its text, and real processes: launch.sh with a real
-telemetry process and stand-in consumers (tests/procs/progress_consumer.py) prints it; on a terminal the block is
-redrawn in place."""
+telemetry process and stand-in consumers (tests/procs/progress_consumer.py) prints it; on a terminal one line is
+rewritten in place."""
 
 import os
 import pty
@@ -34,6 +34,7 @@ def test_a_drafter_line_shows_step_loss_tau_rate_and_eta():
     d.update([{**src, "state": "live", "phase": "compiling", "step": 110}], now=6.0)
     assert d.line().endswith("ETA 5:15 [compiling]")
     assert Drafter("x", 10).line() == "x: waiting"
+    assert d.short() == "d_b16 110/740 loss 2.314 τ 3.10 1.5k tok/s ETA 5:15 [compiling]"
     assert clock(3725) == "1:02:05" and clock(59.6) == "1:00"
 
 
@@ -94,9 +95,11 @@ def eta_fits(m: re.Match) -> bool:
     return left / 20 * 0.9 <= 60 * int(minutes) + int(seconds) <= left / 2
 
 
-def test_on_a_terminal_the_block_is_redrawn_in_place(tmp_path):
+def test_on_a_terminal_one_line_is_rewritten_in_place(tmp_path):
+    """A carriage return per update, never a cursor movement up (which would overwrite what launch.sh printed
+    meanwhile); a part per drafter; the line ended when every drafter has exited, and then it exits 0."""
     job = progress_job(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     procs = [subprocess.Popen([sys.executable, "-m", "telemetry", "--job", str(job)], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
     procs += [subprocess.Popen(consumer_cmd(job, f"{d}_r0", 60, 20).split(), cwd=ROOT, env=env) for d in ("d0", "d1")]
@@ -121,13 +124,20 @@ def test_on_a_terminal_the_block_is_redrawn_in_place(tmp_path):
         os.close(master)
     out = text.decode()
     assert progress.returncode == 0, out  # it ended by itself: every drafter exited
-    redraws = out.split("\x1b[2F")  # the block of 2 lines, redrawn: cursor up 2 lines, each line cleared
-    assert len(redraws) >= 3, out
-    for block in redraws[1:]:
-        rows = [r for r in block.split("\r\n") if r]
-        assert [r[:6] for r in rows] == ["\x1b[2Kd0", "\x1b[2Kd1"], block
-    matches = [m for m in LINE.finditer(out)]
-    assert matches, out
-    for m in matches:
-        check_line(m)
-    assert redraws[-1].count("ETA - [exited]") == 2, redraws[-1]
+    assert re.search(r"\x1b\[\d*[ABF]", out) is None, out  # never up
+    updates = [u.removesuffix("\x1b[K") for u in out.split("\r")[1:]]
+    assert len(updates) >= 3 and out.endswith("\x1b[K\r\n"), out  # the line ended (the pty writes \n as \r\n)
+    parts = [u.split(" | ") for u in updates if u.startswith("d0 ") and " | d1 " in u]
+    assert len(parts) >= 2, out
+    for d0, d1 in parts:
+        for part, name in ((d0, "d0"), (d1, "d1")):
+            m = SHORT.fullmatch(part.strip())
+            assert m and m["name"] == name, part
+            assert 1 <= int(m["step"]) <= 60 and float(m["loss"]) == LOSS and float(m["tau"]) == TAU, part
+    assert parts[-1][0].endswith("ETA - [exited]") and parts[-1][1].strip().endswith("ETA - [exited]"), parts[-1]
+
+
+SHORT = re.compile(
+    rf"(?P<name>d\d) (?P<step>\d+)/{TOTAL} loss (?P<loss>[\d.]+) τ (?P<tau>[\d.]+) [\d.]+k tok/s ETA [\d:-]+"
+    r"( \[exited\])?"
+)
