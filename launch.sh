@@ -60,7 +60,7 @@ fi
 
 plan_from() {  # the process list: derived from the job, or (tests' stand-in processes) read from a file
   if [[ -n ${DFLASH_LAUNCH_PLAN_FILE:-} ]]; then cat "$DFLASH_LAUNCH_PLAN_FILE"; return; fi
-  "$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes"
+  "$PY" -m common.launch_plan "$job" --node-rank "$node_rank" --nnodes "$nnodes" $( ((dry)) || echo --check-target)
 }
 plan=$(plan_from) || exit 2
 if ((dry)); then
@@ -179,6 +179,11 @@ stop_on_signal() {
 while IFS=$'\t' read -r name critical log cmd; do
   start "$name" "$critical" "$log" "$cmd"
 done <<<"$plan"
+# A progress line per drafter on this terminal (telemetry/progress.py; it only reads telemetry). Not one of the
+# supervised processes: it ends when the drafters do, or is stopped (and collected) first thing on the way out.
+"$PY" -m telemetry.progress "$job" {lock_fd}>&- &
+progress_pid=$!
+trap 'kill "$progress_pid" 2>/dev/null; wait "$progress_pid" 2>/dev/null; cleanup' EXIT
 
 status=0 critical_left=0 telemetry_restarts=0
 for p in "${pids[@]}"; do [[ ${critical_of[$p]} == 1 ]] && ((critical_left++)); done

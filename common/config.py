@@ -7,9 +7,11 @@ is common/run_paths.py; the checks against the target's config.json on disk are 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import ipaddress
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -414,11 +416,40 @@ def _format_error(source: str, err: ValidationError) -> str:
         if key == "<top level>" and ": " in msg:  # cross-section checks name their key first
             key, msg = msg.split(": ", 1)
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + _nearest_key(e["loc"])
         elif e["type"] == "missing":
             msg = "required key is missing"
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
+
+
+def _section_keys(loc: tuple) -> list[str]:
+    """The valid keys of the table at `loc` (a pydantic error location, list indexes included)."""
+    model: Any = JobConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        pending = [field.annotation] if field else []
+        model = None
+        while pending:  # the section model inside Optional[...], list[...], Annotated[...]
+            t = pending.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            pending += typing.get_args(t)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _nearest_key(loc: tuple) -> str:
+    """`(did you mean 'block_size'?)` for a misspelt key; the table's keys when none is close."""
+    keys = _section_keys(tuple(loc[:-1]))
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (the keys here: {', '.join(keys)})" if keys else ""
 
 
 def parse_job(doc: dict, source: str = "<job>") -> JobConfig:

@@ -1,6 +1,7 @@
 """The process list of a job, derived from the job file alone (launch.sh and systemd read it from here).
 
     python -m common.launch_plan JOB.toml [--node-rank R --nnodes N --master-addr HOST --master-port PORT]
+                                    [--check-target]   and first: is target.path a model folder (launch.sh)
     python -m common.launch_plan JOB.toml --device-map    which process on which device (launch.sh --dry-run)
     python -m common.launch_plan JOB.toml --device-map --memory [--device-memory GIB] [--target-config DIR]
                                     and each device's planned GPU memory peak (common/memory_plan.py)
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 
 from common.config import ConfigError, DrafterConfig, JobConfig, load_job
 from common.memory_plan import GIB, ProcessMemory, nvml_device_bytes, render
+from common.target_probe import target_files_problem
 from common.throughput_plan import DEVICES, throughput_report
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -290,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
         help="base rendezvous port; drafter i uses base + i (default $MASTER_PORT or %(default)s)",
     )
+    ap.add_argument(
+        "--check-target",
+        action="store_true",
+        help="fail (exit 2) unless target.path is a folder with a readable config.json (launch.sh, before a start)",
+    )
     ap.add_argument("--device-map", action="store_true", help="print the device map instead of the process list")
     ap.add_argument("--memory", action="store_true", help="with --device-map: each device's planned GPU memory")
     ap.add_argument(
@@ -334,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 "a job over several nodes needs --master-addr (or $MASTER_ADDR): the address of"
                 " node 0, where every drafter's replicas meet"
             )
+        if args.check_target and (problem := target_files_problem(job)):
+            raise ConfigError(f"{args.job}: {problem}")
         procs = plan(
             job,
             os.path.abspath(args.job),

@@ -30,6 +30,29 @@ def target_problem(job: JobConfig) -> str | None:
     )
 
 
+def target_files_problem(job: JobConfig) -> str | None:
+    """Before a launch starts any process: the target must be a folder with a readable config.json (a hub id is
+    its snapshot folder by now: `load_job` resolved it). The producer loads the rest; this finds a wrong path in
+    a second instead of after telemetry, producer and consumers started."""
+    path = Path(job.target.path)
+    if not path.exists():
+        return f"target.path: {str(path)!r} does not exist (a local model folder, or a hub id owner/name)"
+    if not path.is_dir():
+        return f"target.path: {str(path)!r} is not a folder (a model folder holds config.json and the weights)"
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        return f"target.path: {str(path)!r} has no config.json: not a Hugging Face model folder"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except OSError as err:
+        return f"target.path: cannot read {cfg_path}: {err.strerror}"
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        return f"target.path: {cfg_path} is not valid JSON: {err}"
+    if not isinstance(cfg, dict):
+        return f"target.path: {cfg_path} holds a JSON {type(cfg).__name__}, not an object"
+    return None
+
+
 def dflash2_group_problem(job: JobConfig) -> str | None:
     """A DFlash2 drafter's conv_group_size must divide the target's hidden size (checked when its config is on disk)."""
     cfg_path = Path(job.target.path) / "config.json"

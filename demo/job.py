@@ -93,16 +93,23 @@ def log(msg: str) -> None:
 
 def build_assets(assets: Path, size: DemoSize, seed: int = 0, threads: int = BUILD_THREADS) -> dict:
     """Build every asset into `assets` (emptied first) with `threads` torch threads; returns the
-    measurements written to READY. Same (size, seed, threads) → byte-identical weights and data: the
-    thread count is part of the recipe (it sets the order of every float sum), so it is fixed, not
-    taken from the cores or the load."""
+    measurements written to READY. Same (size, seed, threads) on the same CPU kernels (`cpu_kernels`)
+    → byte-identical weights and data: the thread count is part of the recipe (it sets the order of every
+    float sum), so it is fixed, not taken from the cores or the load. Another instruction set (AVX2 vs
+    AVX-512, another BLAS path) sums in another order: its weights differ, and so do the figures."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    log(f"using {torch.get_num_threads()} torch thread(s)")
+    log(f"using {torch.get_num_threads()} torch thread(s), CPU kernels {cpu_kernels()}")
     try:
         return _build(assets, size, seed)
     finally:
         torch.set_num_threads(threads_before)
+
+
+def cpu_kernels() -> str:
+    """The CPU kernels the float sums run in (ATen's vector ISA, torch's version): another set sums in another
+    order, so its assets, and every figure from them, differ from this one's (README, "Quick start")."""
+    return f"{torch.backends.cpu.get_cpu_capability()} (torch {torch.__version__})"
 
 
 def _build(assets: Path, size: DemoSize, seed: int) -> dict:
@@ -156,6 +163,7 @@ def _build(assets: Path, size: DemoSize, seed: int) -> dict:
         "size": asdict(size),
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernels": cpu_kernels(),
         "pretrain": {
             "steps": pre.steps,
             "tokens": pre.tokens,

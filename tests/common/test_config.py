@@ -60,6 +60,20 @@ def test_bad_values_name_key_and_reason(tmp_path, extra, key, reason):
     assert f"  {key}" in text and reason in text
 
 
+def test_an_unknown_key_names_the_nearest_valid_one(tmp_path):
+    """A misspelt key says which key was meant, at every depth (a section, a key in it, a drafter's key); a key
+    like none of its table's lists that table's keys."""
+    text = MINIMAL.replace("max_length", "max_lenght") + "[[drafters]]\nname = 'd1'\nblok_size = 8\n[telemtry]\n"
+    with pytest.raises(ConfigError) as err:
+        load_job(write(tmp_path, text + "[transport]\nzzzz = 1\n"))
+    lines = str(err.value).splitlines()
+    assert "  data.max_lenght: unknown key (did you mean 'max_length'?)" in lines
+    assert "  drafters.1.blok_size: unknown key (did you mean 'block_size'?)" in lines
+    assert "  telemtry: unknown key (did you mean 'telemetry'?)" in lines
+    transport = next(line for line in lines if line.startswith("  transport.zzzz: unknown key (the keys here: "))
+    assert "slots, " in transport and "slot_bytes" in transport
+
+
 def test_missing_required_key_and_bad_toml_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match=r"target: required key is missing"):
         load_job(write(tmp_path, "[data]\npath='x'\n[[drafters]]\nname='d'\n"))

@@ -2,7 +2,10 @@
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,7 +154,7 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 def _figures(ready: dict) -> dict:
-    """READY without the wall times: what must be the same on any machine."""
+    """READY without the wall times: what must be the same on this machine (its CPU kernels)."""
     drop = {"seconds", "build_seconds", "accuracy_seconds"}
     return json.loads(json.dumps(ready), object_hook=lambda d: {k: v for k, v in d.items() if k not in drop})
 
@@ -168,6 +171,7 @@ def test_same_seed_same_assets_byte_for_byte(quick_demo, tmp_path, monkeypatch):
     monkeypatch.undo()
     first = json.loads((run_dir / "assets" / demo.READY).read_text())
     assert again["torch_threads"] == first["torch_threads"] == demo.BUILD_THREADS == 1
+    assert again["cpu_kernels"] == f"{torch.backends.cpu.get_cpu_capability()} (torch {torch.__version__})"
     assert _figures(again) == _figures(first)
     digests = _digests(tmp_path / "assets")
     assert {"target/model.safetensors", "tokenizer/tokenizer.json", "train.jsonl"} <= set(digests)
@@ -175,3 +179,21 @@ def test_same_seed_same_assets_byte_for_byte(quick_demo, tmp_path, monkeypatch):
     other = demo.build_assets(tmp_path / "other", dataclasses.replace(demo.QUICK, pretrain_steps=9), seed=0)
     assert other["pretrain"]["steps"] == 9
     assert _digests(tmp_path / "other")["target/model.safetensors"] != digests["target/model.safetensors"]
+
+
+def test_other_cpu_kernels_build_other_weights(quick_demo, tmp_path):
+    """Why README says which demo figures vary by machine: the same recipe on another CPU kernel set (here
+    ATen's portable kernels and MKL's AVX2 path instead of this machine's own) sums in another order, so the
+    target's weights differ; what holds no float sum (the tokenizer, the corpus) is the same."""
+    run_dir, _ = quick_demo
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU runs the portable kernels already: no second kernel set to compare with")
+    root = Path(__file__).resolve().parents[2]
+    code = f"import demo.job as d, pathlib; d.build_assets(pathlib.Path({str(tmp_path / 'a')!r}), d.QUICK, seed=0)"
+    env = {**os.environ, "PYTHONPATH": str(root), "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    other, ours = _digests(tmp_path / "a"), _digests(run_dir / "assets")
+    assert json.loads((tmp_path / "a" / demo.READY).read_text())["cpu_kernels"].startswith("DEFAULT (torch ")
+    assert other["target/model.safetensors"] != ours["target/model.safetensors"]
+    assert other["tokenizer/tokenizer.json"] == ours["tokenizer/tokenizer.json"]
+    assert other["corpus.jsonl"] == ours["corpus.jsonl"]

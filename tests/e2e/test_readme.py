@@ -2,8 +2,10 @@
 written, and every message its troubleshooting table quotes is one the code prints."""
 
 import contextlib
+import importlib.util
 import io
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,58 @@ def test_every_python_snippet_runs_as_written(demo_run, monkeypatch):
     assert printed.getvalue() == (
         f"{tok.decode(out[0, ids.shape[1] :])}\ntokens committed per step: {scope['draft'].acceptance_lengths}\n"
     )
+
+
+PROJECT_PACKAGES = ("bench", "common", "consumer", "producer", "telemetry", "demo")
+
+
+def readme_commands() -> list[str]:
+    """What a reader may paste: every line of a ```bash block and every inline code span (texts that are
+    not commands are filtered by the rules below, which look only at a command's first words)."""
+    text = README.read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+    lines = [ln.strip() for b in blocks for ln in b.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    return lines + spans
+
+
+def command_problem(cmd: str, scripts: set[str], make_targets: set[str]) -> str | None:
+    """Why `cmd` would not run as written in a fresh clone after `make install`, or None. The project's own
+    tools live in .venv/bin (not on PATH): `python -m <project module>` or `dflash-x ARGS` must name it."""
+    words = cmd.split()
+    if re.match(rf"python3? -m ({'|'.join(PROJECT_PACKAGES)})\b", cmd):
+        return "the system python has none of the project's dependencies: write .venv/bin/python"
+    if words[0] in scripts and len(words) > 1 and not words[0].endswith(":"):
+        return f"{words[0]} is not on PATH after `make install`: write .venv/bin/{words[0]}"
+    if words[0].startswith(".venv/bin/"):
+        tool = words[0].removeprefix(".venv/bin/")
+        if tool == "python" and words[1:2] == ["-m"]:
+            module = words[2]
+            if module.split(".")[0] not in PROJECT_PACKAGES:
+                return f"{module} is not a project module"
+            if not re.search(r"[A-Z]", module) and importlib.util.find_spec(module) is None:
+                return f"no module {module}"
+        elif tool != "python" and tool not in scripts:
+            return f"make install puts no {tool} in .venv/bin (pyproject's [project.scripts]: {sorted(scripts)})"
+    if words[0] == "make" and len(words) > 1 and not words[1].startswith("#") and words[1] not in make_targets:
+        return f"the Makefile has no target {words[1]}"
+    if words[0].startswith("./") and not (README.parent / words[0]).exists():
+        return f"{words[0]} is not in the repository"
+    return None
+
+
+def test_every_readme_command_runs_as_written_on_a_fresh_clone():
+    """`dflash-stats runs/demo` gave `command not found`: .venv/bin is not on PATH, so a command of the project
+    names its .venv/bin path (or is a make target, or ./launch.sh)."""
+    scripts = set(tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["scripts"])
+    make_targets = set(re.findall(r"^([\w-]+):", (README.parent / "Makefile").read_text(), flags=re.M))
+    commands = readme_commands()
+    assert ".venv/bin/dflash-stats runs/demo" in commands and "make demo" in commands
+    wrong = {c: p for c in commands if (p := command_problem(c, scripts, make_targets))}
+    assert not wrong, wrong
+    # the rules catch what a fresh clone trips on
+    assert command_problem("dflash-stats runs/demo", scripts, make_targets)
+    assert command_problem("python -m bench.soak --json", scripts, make_targets)
+    assert command_problem(".venv/bin/dflash-nothing x", scripts, make_targets)
+    assert command_problem("make nothing", scripts, make_targets)
+    assert command_problem("dflash-stats: no telemetry socket at …", scripts, make_targets) is None  # a message
