@@ -2,7 +2,8 @@
 
 `load_job(path)` turns it into a tree of frozen pydantic models. Every error names the
 key (dotted path) and the reason, so a bad job fails at start, not halfway through. The run folder's layout
-is common/run_paths.py; the checks against the target's config.json on disk are common/target_probe.py.
+is common/run_paths.py; the checks against the target's config.json on disk are common/target_probe.py (which
+reads the job through its own JobView, so it does not import this module).
 """
 
 from __future__ import annotations

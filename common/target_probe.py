@@ -9,18 +9,48 @@ checks again with the model in hand. Only the expert-parallel check imports tran
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common.packed_batch import required_slot_bytes
 
-if TYPE_CHECKING:
-    from common.config import JobConfig
+
+class _Target(Protocol):
+    path: str
+    dtype: str
+    tp_size: int
+    ep_size: int
+    layer_ids: Sequence[int] | None
+    num_features: int
+
+
+class _Drafter(Protocol):
+    arch: str
+    conv_group_size: int
+
+
+class _Data(Protocol):
+    tokens_per_batch: int
+
+
+class _Transport(Protocol):
+    slot_bytes: int
+
+
+class JobView(Protocol):
+    """What the checks read of a job (common/config.py's job model has it)."""
+
+    target: _Target
+    drafters: Sequence[_Drafter]
+    data: _Data
+    transport: _Transport
+
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def target_problem(job: JobConfig) -> str | None:
+def target_problem(job: JobView) -> str | None:
     """The first way `job` does not fit its target ("key: reason"), or None."""
     return (
         slot_capacity_problem(job)
@@ -30,7 +60,7 @@ def target_problem(job: JobConfig) -> str | None:
     )
 
 
-def target_files_problem(job: JobConfig) -> str | None:
+def target_files_problem(job: JobView) -> str | None:
     """Before a launch starts any process: the target must be a folder with a readable config.json (a hub id is
     its snapshot folder by now: `load_job` resolved it). The producer loads the rest; this finds a wrong path in
     a second instead of after telemetry, producer and consumers started."""
@@ -53,7 +83,7 @@ def target_files_problem(job: JobConfig) -> str | None:
     return None
 
 
-def dflash2_group_problem(job: JobConfig) -> str | None:
+def dflash2_group_problem(job: JobView) -> str | None:
     """A DFlash2 drafter's conv_group_size must divide the target's hidden size (checked when its config is on disk)."""
     cfg_path = Path(job.target.path) / "config.json"
     if not any(d.arch == "dflash2" for d in job.drafters) or not cfg_path.is_file():
@@ -72,7 +102,7 @@ def dflash2_group_problem(job: JobConfig) -> str | None:
     return None
 
 
-def tensor_parallel_problem(job: JobConfig) -> str | None:
+def tensor_parallel_problem(job: JobView) -> str | None:
     """transformers' TP plans split attention by heads (and KV heads) and MLPs by columns (a MoE target's
     experts and shared expert too, unless expert parallelism holds the experts whole): tp_size must divide
     them. Checked when the target's config is on disk (a multimodal wrapper's numbers are in text_config)."""
@@ -98,7 +128,7 @@ def tensor_parallel_problem(job: JobConfig) -> str | None:
     return None
 
 
-def expert_parallel_problem(job: JobConfig) -> str | None:
+def expert_parallel_problem(job: JobView) -> str | None:
     """ep_size > 1 needs a MoE target whose transformers config has an expert-parallel plan
     (`base_model_ep_plan`: qwen3_moe, qwen3_5_moe, gpt_oss, deepseek_v3, glm4_moe, ...) and an expert count that
     ep_size divides: each rank holds num_experts / ep_size whole experts. Checked when the target's config is on
@@ -129,7 +159,7 @@ def expert_parallel_problem(job: JobConfig) -> str | None:
     return None
 
 
-def slot_capacity_problem(job: JobConfig) -> str | None:
+def slot_capacity_problem(job: JobView) -> str | None:
     """A fixed slot_bytes must hold the largest batch; known only when the target's config is on disk."""
     if job.transport.slot_bytes == 0:
         return None
@@ -146,7 +176,7 @@ def slot_capacity_problem(job: JobConfig) -> str | None:
     return None
 
 
-def target_feature_width(job: JobConfig) -> int | None:
+def target_feature_width(job: JobView) -> int | None:
     """n·H, read from the target's config.json when it exists."""
     cfg_path = Path(job.target.path) / "config.json"
     if not cfg_path.is_file():

@@ -78,7 +78,7 @@ def test_every_python_snippet_runs_as_written(demo_run, monkeypatch):
     )
 
 
-PROJECT_PACKAGES = ("bench", "common", "consumer", "producer", "telemetry", "demo")
+PROJECT_PACKAGES = ("bench", "common", "consumer", "evaluation", "producer", "telemetry", "demo")
 
 
 def readme_commands() -> list[str]:
