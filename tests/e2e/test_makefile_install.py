@@ -104,7 +104,11 @@ def test_the_lock_pins_every_dependency_within_pyprojects_ranges():
 def test_the_environment_running_the_suite_is_the_lock_or_says_how_it_differs():
     """Under `make test` (.venv) the installed set is exactly the lock; under `make test-latest` (.venv-latest) it
     differs by design, and every difference is printed (the drift the lock holds back)."""
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # site-packages alone: once setuptools is imported (torch's cpp_extension does) its _vendor folder is on
+    # sys.path, and the packages vendored there are no part of the environment
+    site_packages = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_relative_to(sys.prefix)]
+    dists = importlib.metadata.distributions(path=site_packages)
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in dists}
     installed.pop("dflash-pipeline", None)
     installed = {n: v.split("+")[0] if n == "torch" else v for n, v in installed.items()}
     drift = sorted(f"{n}: locked {LOCK.get(n)}, installed {installed.get(n)}"
