@@ -268,14 +268,14 @@ class DrafterConfig(_Section):
     selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
     # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
     selector_alpha: Annotated[float, Field(ge=0)] = 1.0
-    # the training loss (README "Recipes"): "dpace" (D-PACE, arXiv 2605.18810: per-block weights from the
+    # the training loss (docs/recipes.md): "dpace" (D-PACE, arXiv 2605.18810: per-block weights from the
     # drafter's own confidence, w_k = Σ_{j>=k} m_j·Π_{i<=j} ((1-α)·q_i + α), no gradient; the step divides
     # Σ w·CE by the number of valid anchors (anchors with a supervised slot) of the whole optimizer step,
     # over every replica and accumulation round: gamma is ignored) or "decay" (the DFlash paper's
     # exp(-(k-1)/γ) weights, normalised by Σw over the step)
     loss: Literal["dpace", "decay"] = "dpace"
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5  # D-PACE smoothing α in (0, 1] (ModelOpt: 0.3-0.7)
-    # "muon" (the default: README "Recipes", the A/B): torch.optim.Muon for the hidden 2-D matrices, AdamW
+    # "muon" (the default: docs/recipes.md, the A/B): torch.optim.Muon for the hidden 2-D matrices, AdamW
     # (lr, betas, weight_decay) for the rest (consumer/optim.py), with any `distributed` (under "fsdp" on row
     # shards); "adamw": AdamW for everything
     optimizer: Literal["adamw", "muon"] = "muon"

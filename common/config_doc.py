@@ -1,6 +1,6 @@
-"""The job-file reference in Markdown, generated from the config models (the README embeds it).
+"""The job-file reference in Markdown, generated from the config models (docs/training.md embeds it).
 
-python -m common.config_doc      # prints the reference; tests/e2e/test_readme.py checks the README has it
+python -m common.config_doc      # prints the reference; tests/e2e/test_readme.py checks docs/training.md has it
 """
 
 from __future__ import annotations

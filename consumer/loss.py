@@ -9,7 +9,7 @@ and backward only scales the stored dh [Q, H] by the incoming gradient. That is 
 logits in backward would add a third (+50% on the dominant cost); memory is one chunk of logits plus
 dh, which is the size of the hidden rows themselves.
 
-What weighs each slot's CE and what the step divides by is a `SlotLoss` (dflash.md §2, README "Recipes"):
+What weighs each slot's CE and what the step divides by is a `SlotLoss` (dflash.md §2, docs/recipes.md):
 `DecayLoss`, the DFlash paper's static exp(-(k-1)/γ) normalised by Σw, or `DPaceLoss` (D-PACE, arXiv
 2605.18810), weights from the drafter's own per-slot CE, normalised by the step's count of valid anchors.
 Both take per-slot CE in and give weights and a normaliser out, so another term (a selector loss) can

@@ -108,7 +108,7 @@ def build_assets(assets: Path, size: DemoSize, seed: int = 0, threads: int = BUI
 
 def cpu_kernels() -> str:
     """The CPU kernels the float sums run in (ATen's vector ISA, torch's version): another set sums in another
-    order, so its assets, and every figure from them, differ from this one's (README, "Quick start")."""
+    order, so its assets, and every figure from them, differ from this one's (docs/demo.md)."""
     return f"{torch.backends.cpu.get_cpu_capability()} (torch {torch.__version__})"
 
 

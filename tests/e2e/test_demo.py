@@ -182,7 +182,7 @@ def test_same_seed_same_assets_byte_for_byte(quick_demo, tmp_path, monkeypatch):
 
 
 def test_other_cpu_kernels_build_other_weights(quick_demo, tmp_path):
-    """Why README says which demo figures vary by machine: the same recipe on another CPU kernel set (here
+    """Why docs/demo.md says which demo figures vary by machine: the same recipe on another CPU kernel set (here
     ATen's portable kernels and MKL's AVX2 path instead of this machine's own) sums in another order, so the
     target's weights differ; what holds no float sum (the tokenizer, the corpus) is the same."""
     run_dir, _ = quick_demo

@@ -1,4 +1,4 @@
-"""The README's troubleshooting table quotes the code: each message is provoked here and matched against
+"""The troubleshooting table (docs/troubleshooting.md) quotes the code: each message is provoked here and matched against
 the table's text (`…` = the parts that vary), or, where provoking costs a whole job, found in the source."""
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ SOURCES = [*ROOT.glob("common/*.py"), *ROOT.glob("producer/*.py"), *ROOT.glob("c
 
 
 def table_messages() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## Troubleshooting")[1].split("\n## ")[0]
+    table = (ROOT / "docs" / "troubleshooting.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| message")]
     return [m for row in rows for m in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
 
@@ -184,7 +183,7 @@ def test_the_code_prints_the_tables_message(key, tmp_path, capsys, monkeypatch):
     provoke = PROVOKED[key]
     printed = provoke(tmp_path, capsys, monkeypatch) if key == "is in use by launch.sh pid" else \
         provoke(tmp_path, capsys)  # fmt: skip
-    assert pattern(message).search(printed), f"README says {message!r}; the code printed {printed!r}"
+    assert pattern(message).search(printed), f"docs/troubleshooting.md says {message!r}; the code printed {printed!r}"
 
 
 @pytest.mark.parametrize("key", IN_SOURCE)
@@ -193,4 +192,4 @@ def test_a_message_too_costly_to_provoke_is_in_the_source(key):
     source = "\n".join(p.read_text() for p in SOURCES)
     for part in (p.strip() for p in message.split("…")):
         if len(part) > 3:
-            assert part in source, f"README quotes {part!r} ({message!r}); no source file prints it"
+            assert part in source, f"docs/troubleshooting.md quotes {part!r} ({message!r}); no source file prints it"
