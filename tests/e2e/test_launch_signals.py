@@ -61,8 +61,8 @@ def saved(run: Path) -> int:
 
 
 def test_launch_sh_killed_or_hung_up_stops_its_group_gracefully_and_the_same_command_resumes(tmp_path_factory):
-    job = write_job(
-        tiny_assets(tmp_path_factory.mktemp("assets")), drafters=DRAFTERS, tokens_per_batch=1024, name="sup"
+    job = write_job(  # 20 epochs: the rerun is provably still training when its SIGHUP comes (issue 36 item 8)
+        tiny_assets(tmp_path_factory.mktemp("assets")), drafters=DRAFTERS, tokens_per_batch=1024, epochs=20, name="sup"
     )
     run = job.parent
     procs = []
@@ -86,10 +86,11 @@ def test_launch_sh_killed_or_hung_up_stops_its_group_gracefully_and_the_same_com
         assert f"stopped: its launch.sh (pid {first.pid}) is gone: flushing" in log_text(run, "telemetry")
         killed_at = steps(run, "d0")
         wait_for(lambda: started(run, 2, killed_at), 240, "the rerun to attach and train", second)
-        assert second.poll() is None
         assert "resumed from" in log_text(run, "consumer-d0-r0")
 
         # 2. SIGHUP to the whole group (a closed terminal): every process handles it as a graceful stop
+        group = [p for p in group_pids(second.pid) if p != second.pid]
+        assert second.poll() is None and len(group) >= 3 and all(running(p) for p in group), group  # right before
         os.killpg(second.pid, signal.SIGHUP)
         out = finish(second, 120)
         assert second.returncode == 0, out
