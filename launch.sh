@@ -131,7 +131,7 @@ start() {  # name critical log cmd
   pids+=("$pid")
   printf 'launch.sh: started %-24s pid %-7s log %s\n' "$1" "$pid" "$3"
 }
-pause() { read -r -t "$1" -u "$idle_fd" _; }  # a trapped signal is acted on when it returns
+pause() { read -r -t "$1" -u "$idle_fd" _ || (($? > 128)) || sleep "$1"; }  # a trapped signal: acted on after
 # Supervision polls: every process that is gone is collected by `wait PID`, once, and leaves the list. Not
 # `wait -n`: bash 5.2 loses the status of a child that exits while a trapped signal interrupts `wait -n` (a later
 # `wait PID` says -1), and a signal whose trap runs just before `wait -n` starts leaves it blocked for as long as

@@ -341,11 +341,12 @@ def test_a_telemetry_that_exits_cleanly_is_not_restarted_even_as_the_group_stops
 
 
 def test_every_exit_that_comes_with_a_stop_signal_is_collected_once_with_its_status(job):
-    """Found in CI (issue 36 item 8): after SIGHUP to the whole group bash said `wait_for: No record of process`;
-    launch.sh's `wait -n` lost the status of a child that exited while the signal interrupted it (bash 5.2 then
-    says -1), and a signal whose trap ran just before `wait -n` left it blocked. 10 rounds, the signal at once
-    after every stand-in is up: telemetry and c0, c1 stop gracefully; c2 dies of the SIGHUP (status 129); c3 takes
-    its time. launch.sh must name c2 with its status, return 129, restart nothing, and leave nothing running."""
+    """Found in CI (issue 36 item 8): after SIGHUP to the whole group bash said `wait_for: No record of process`.
+    launch.sh's `wait -n` could lose the status of a child that exited while the signal interrupted it (bash 5.2
+    then says -1 for it), and block when the signal's trap ran just before it; both rare, and not reproduced
+    on demand. What must hold, 10 rounds, the signal at once after every stand-in is up: telemetry, c0 and c1
+    stop gracefully, c2 dies of the SIGHUP (status 129), c3 takes its time; launch.sh names c2 with its status
+    once, returns 129, restarts nothing and leaves nothing running."""
     plan = plan_file(
         job,
         [
