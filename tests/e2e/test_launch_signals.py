@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from common.joblock import job_lock_path
-from tests.e2e.test_faults_launch import accounting_check, log_text, sockets_left, steps
+from tests.e2e.test_faults_launch import accounting_check, log_text, pid_of, sockets_left, steps
 from tests.jobs import finish, launch, ring_file, tiny_assets, wait_for, write_job
 
 DRAFTERS = [
@@ -89,8 +89,8 @@ def test_launch_sh_killed_or_hung_up_stops_its_group_gracefully_and_the_same_com
         assert "resumed from" in log_text(run, "consumer-d0-r0")
 
         # 2. SIGHUP to the whole group (a closed terminal): every process handles it as a graceful stop
-        group = [p for p in group_pids(second.pid) if p != second.pid]
-        assert second.poll() is None and len(group) >= 3 and all(running(p) for p in group), group  # right before
+        roles = {m: pid_of(second.pid, m) for m in ("telemetry", "producer", "consumer")}
+        assert second.poll() is None and all(p and running(p) for p in roles.values()), roles  # right before
         os.killpg(second.pid, signal.SIGHUP)
         out = finish(second, 120)
         assert second.returncode == 0, out
