@@ -13,8 +13,8 @@
 # One log per process in <run_dir>/logs/. SIGINT/SIGTERM/SIGHUP stop the group gracefully (consumers
 # checkpoint at a step boundary, then exit 0; this script exits 0 when every process did). When a critical
 # process (producer, consumer) fails, the rest is torn down and this script exits with its status.
-# Telemetry is not critical: it is restarted if it crashes (status 0 is a stop it was asked for). If this script itself dies (SIGKILL), every process
-# gets SIGTERM from the kernel (common/supervisor.py) and stops the same graceful way.
+# Telemetry is not critical: restarted if it crashes (exit 0: it was told to stop). If this script dies
+# (SIGKILL), every process gets SIGTERM from the kernel (common/supervisor.py) and stops the same graceful way.
 # The run folder is locked for the whole group (common/joblock.py): a second launch of the same job is
 # refused at once (exit 75) with the holder's pid; the orphans of a launch that died are stopped first.
 # When the group ends, the job's ring in /dev/shm and its socket files are removed (never while a process
