@@ -134,21 +134,28 @@ start() {  # name critical log cmd
 pause() { read -r -t "$1" -u "$idle_fd" _ || (($? > 128)) || sleep "$1"; }  # a trapped signal: acted on after
 # Supervision polls: every process that is gone is collected by `wait PID`, once, and leaves the list. Not
 # `wait -n`: bash 5.2 loses the status of a child that exits while a trapped signal interrupts `wait -n` (a later
-# `wait PID` says -1), and a signal whose trap runs just before `wait -n` starts leaves it blocked for as long as
-# every process runs. kill -0 fails only once bash has collected the child (a zombie still answers), so the
-# `wait` returns its recorded status at once.
+# `wait PID` says -1; an interrupted `wait PID` can even record the signal as another child's status), and a
+# signal whose trap runs just before `wait -n` starts leaves it blocked for as long as every process runs.
+# Gone: kill -0 fails (bash has collected it) or it is a zombie (bash's collection on SIGCHLD can be put off
+# for good); either way `wait` returns at once, with its status.
+gone() {
+  local stat
+  kill -0 "$1" 2>/dev/null && { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 0
+  stat=${stat##*) }
+  [[ ${stat%% *} == Z ]]
+}
 exits=()  # "pid status" of each process the last reap collected
 reap() {
   local p out=()
   exits=()
   for p in "${pids[@]}"; do
-    if kill -0 "$p" 2>/dev/null; then out+=("$p"); continue; fi
+    if ! gone "$p"; then out+=("$p"); continue; fi
     wait "$p"
     exits+=("$p $?")
   done
   pids=("${out[@]}")
 }
-alive() { local p; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+alive() { local p; for p in "${pids[@]}"; do gone "$p" || return 0; done; return 1; }
 own_tail() {  # the last lines this launch's process wrote to its log (an earlier run's lines are not its reason)
   tail -c +"$((offset_of[$1] + 1))" "${log_of[$1]}" 2>/dev/null | tail -n 5 | sed 's/^/    /' >&2
 }
