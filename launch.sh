@@ -15,8 +15,8 @@
 # One log per process in <run_dir>/logs/. SIGINT/SIGTERM/SIGHUP stop the group gracefully (consumers
 # checkpoint at a step boundary, then exit 0; this script exits 0 when every process did). When a critical
 # process (producer, consumer) fails, the rest is torn down and this script exits with its status.
-# Telemetry is not critical: it is restarted if it dies. If this script itself dies (SIGKILL), every process
-# gets SIGTERM from the kernel (common/supervisor.py) and stops the same graceful way.
+# Telemetry is not critical: restarted if it crashes (exit 0: it was told to stop). If this script dies
+# (SIGKILL), every process gets SIGTERM from the kernel (common/supervisor.py) and stops the same graceful way.
 # The run folder is locked for the whole group (common/joblock.py): a second launch of the same job is
 # refused at once (exit 75) with the holder's pid; the orphans of a launch that died are stopped first.
 # When the group ends, the job's ring in /dev/shm and its socket files are removed (never while a process
@@ -107,7 +107,7 @@ cleanup() {  # every way out of this script passes here (an untrapped signal too
   trap '' INT TERM HUP
   if alive; then
     echo "launch.sh: exiting while processes of the job run: stopping them first (grace ${grace}s)" >&2
-    stop_all TERM
+    stop_all
   fi
   alive || remove_job_files
 }
@@ -123,38 +123,74 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 
 declare -A name_of=() cmd_of=() log_of=() critical_of=() offset_of=()
 declare -a pids=()  # started and not yet collected by `wait`: the only list the supervision trusts
+exec {idle_fd}<> <(:)  # a pipe nobody writes: `read -t` on it pauses without a fork (closed in the processes)
 start() {  # name critical log cmd
   local offset
   offset=$(stat -c %s "$3" 2>/dev/null || echo 0)  # this launch's part of the log starts here
-  ( eval "exec $4" ) >>"$3" 2>&1 &
+  ( eval "exec $4" ) >>"$3" 2>&1 {idle_fd}>&- &
   local pid=$!
   name_of[$pid]=$1 critical_of[$pid]=$2 log_of[$pid]=$3 cmd_of[$pid]=$4 offset_of[$pid]=$offset
   pids+=("$pid")
   printf 'launch.sh: started %-24s pid %-7s log %s\n' "$1" "$pid" "$3"
 }
-collected() { local p out=(); for p in "${pids[@]}"; do [[ $p != "$1" ]] && out+=("$p"); done; pids=("${out[@]}"); }
-alive() { local p; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+pause() { read -r -t "$1" -u "$idle_fd" _ || (($? > 128)) || sleep "$1"; }  # a trapped signal: acted on after
+# Supervision polls: every process that is gone is collected by `wait PID`, once, and leaves the list. Not
+# `wait -n`: bash 5.2 loses the status of a child that exits while a trapped signal interrupts `wait -n` (a later
+# `wait PID` says -1; an interrupted `wait PID` can even record the signal as another child's status), and a
+# signal whose trap runs just before `wait -n` starts leaves it blocked for as long as every process runs.
+# Gone: kill -0 fails (bash has collected it) or it is a zombie (bash's collection on SIGCHLD can be put off
+# for good); either way `wait` returns at once, with its status.
+gone() {
+  local stat
+  kill -0 "$1" 2>/dev/null && { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 0
+  stat=${stat##*) }
+  [[ ${stat%% *} == Z ]]
+}
+exits=()  # "pid status" of each process the last reap collected
+reap() {
+  local p out=()
+  exits=()
+  for p in "${pids[@]}"; do
+    if ! gone "$p"; then out+=("$p"); continue; fi
+    wait "$p"
+    exits+=("$p $?")
+  done
+  pids=("${out[@]}")
+}
+alive() { local p; for p in "${pids[@]}"; do gone "$p" || return 0; done; return 1; }
 own_tail() {  # the last lines this launch's process wrote to its log (an earlier run's lines are not its reason)
   tail -c +"$((offset_of[$1] + 1))" "${log_of[$1]}" 2>/dev/null | tail -n 5 | sed 's/^/    /' >&2
 }
 
-stop_all() {  # signal: TERM everyone, wait up to the grace period, then KILL what is left
-  local sig=$1 deadline=$((SECONDS + grace)) p
-  for p in "${pids[@]}"; do kill -"$sig" "$p" 2>/dev/null; done
-  while ((SECONDS < deadline)); do
-    alive || return 0
-    sleep 0.2
+stop_all() {  # [report]: SIGTERM to every process, each collected as it exits, SIGKILL to what outlives the grace period
+  local deadline=$((SECONDS + grace)) killed=0 p st e
+  stop_status=0  # the first non-zero status of a critical process
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  while :; do
+    reap
+    for e in "${exits[@]}"; do
+      read -r p st <<<"$e"
+      [[ ${critical_of[$p]} == 1 && $st != 0 ]] || continue
+      ((stop_status)) || stop_status=$st
+      [[ ${1:-} == report ]] || continue
+      echo "launch.sh: ${name_of[$p]} exited with status $st (log ${log_of[$p]})" >&2
+      own_tail "$p"
+    done
+    ((${#pids[@]})) || break
+    if ((SECONDS >= deadline)); then
+      ((killed)) && { echo "launch.sh: still running 10 s after SIGKILL: pids ${pids[*]}" >&2; break; }
+      for p in "${pids[@]}"; do
+        echo "launch.sh: ${name_of[$p]} (pid $p) still running after ${grace}s: SIGKILL" >&2
+        kill -KILL "$p" 2>/dev/null
+      done
+      killed=1 deadline=$((SECONDS + 10))
+    fi
+    pause 0.2
   done
-  for p in "${pids[@]}"; do
-    kill -0 "$p" 2>/dev/null || continue
-    echo "launch.sh: ${name_of[$p]} (pid $p) still running after ${grace}s: SIGKILL" >&2
-    kill -KILL "$p" 2>/dev/null
-  done
-  return 1
+  ((!killed))
 }
 
-# A signal only sets stop_sig; the loop below acts on it. (bash 5.2's `wait` reports a status of -1 for a
-# child that exited while `wait -n` was interrupted by the signal: that status is unknown, not a failure.)
+# A signal only sets stop_sig; the loops act on it (the traps stay until no process of the group runs).
 stop_sig=""
 trap 'stop_sig=SIGTERM' TERM
 trap 'stop_sig=SIGINT' INT
@@ -162,17 +198,9 @@ trap 'stop_sig=SIGHUP' HUP  # a closed SSH session: the same graceful stop, neve
 stop_on_signal() {
   trap '' INT TERM HUP
   echo "launch.sh: $stop_sig received: stopping the job (grace ${grace}s)"
-  local status=0 p st
-  stop_all TERM || status=137
-  for p in "${pids[@]}"; do
-    wait "$p" 2>/dev/null
-    st=$?
-    if [[ ${critical_of[$p]} == 1 && $st != 0 && $st != 127 && $st != -1 ]]; then
-      status=$st
-      echo "launch.sh: ${name_of[$p]} exited with status $st (log ${log_of[$p]})" >&2
-      own_tail "$p"
-    fi
-  done
+  local status=0
+  stop_all report || status=137
+  ((stop_status)) && status=$stop_status
   exit "$status"
 }
 
@@ -187,45 +215,39 @@ trap 'kill "$progress_pid" 2>/dev/null; wait "$progress_pid" 2>/dev/null; cleanu
 
 status=0 critical_left=0 telemetry_restarts=0
 for p in "${pids[@]}"; do [[ ${critical_of[$p]} == 1 ]] && ((critical_left++)); done
-while ((critical_left > 0)); do
-  [[ -n $stop_sig ]] && stop_on_signal
-  # `wait -n` reports each exit once, also of processes that exited together; a pid leaves the list only
-  # when it has been reported (pruning by `kill -0` loses the exits that were already reaped)
-  done_pid=""
-  wait -n -p done_pid "${pids[@]}"
-  st=$?
-  if [[ -z ${done_pid:-} ]]; then  # interrupted by a signal (which unsets done_pid): acted on at the top of the loop
-    if [[ -z $stop_sig && $st == 127 ]]; then  # no child left to wait for: never spin, end the job
-      echo "launch.sh: lost track of the group (pids ${pids[*]}); tearing the job down" >&2
-      status=1
-      stop_all TERM
+while ((critical_left > 0 && status == 0)); do
+  pause 0.2
+  [[ -n $stop_sig ]] && stop_on_signal  # what exited with the signal is collected (and named) by the stop
+  reap
+  for e in "${exits[@]}"; do
+    read -r done_pid st <<<"$e"
+    name=${name_of[$done_pid]}
+    if [[ ${critical_of[$done_pid]} == 0 ]]; then  # telemetry: exits 0 only when told to stop (a signal, launch.sh gone)
+      if ((st != 0)) && ((telemetry_restarts < 20)); then
+        pause 1
+        [[ -n $stop_sig ]] && continue  # not while the group stops
+        telemetry_restarts=$((telemetry_restarts + 1))
+        echo "launch.sh: $name exited with status $st; restarting it (training goes on)"
+        start "$name" 0 "${log_of[$done_pid]}" "${cmd_of[$done_pid]}"
+      fi
+      continue
+    fi
+    critical_left=$((critical_left - 1))
+    if ((st != 0)); then
+      echo "launch.sh: $name exited with status $st (log ${log_of[$done_pid]}); tearing the job down" >&2
+      own_tail "$done_pid"
+      status=$st
+      stop_all
       break
     fi
-    continue
-  fi
-  collected "$done_pid"
-  name=${name_of[$done_pid]}
-  if [[ ${critical_of[$done_pid]} == 0 ]]; then
-    if [[ -z $stop_sig ]] && ((telemetry_restarts < 20)); then  # not while the group stops
-      telemetry_restarts=$((telemetry_restarts + 1))
-      echo "launch.sh: $name exited with status $st; restarting it (training goes on)"
-      sleep 1
-      start "$name" 0 "${log_of[$done_pid]}" "${cmd_of[$done_pid]}"
-    fi
-    continue
-  fi
-  critical_left=$((critical_left - 1))
-  if ((st != 0)); then
-    echo "launch.sh: $name exited with status $st (log ${log_of[$done_pid]}); tearing the job down" >&2
-    own_tail "$done_pid"
-    status=$st
-    stop_all TERM
-    break
-  fi
-  echo "launch.sh: $name finished"
+    echo "launch.sh: $name finished"
+  done
 done
+if ((status == 0)); then
+  stop_all  # telemetry: flushes its sinks on SIGTERM
+  [[ -n $stop_sig ]] && stop_on_signal  # a stop asked for as the job ended: no evaluation
+fi
 trap - INT TERM HUP
-((status == 0)) && stop_all TERM  # telemetry: flushes its sinks on SIGTERM
 
 if ((status == 0 && demo)); then
   echo "launch.sh: evaluating the demo drafters by speculative decoding"

@@ -9,10 +9,15 @@ setting survives the exec of non-set-uid programs; it is set by the process itse
 once more, so a supervisor that died before the prctl is not missed. A process that is not launch.sh's own
 child (wrapped by another program) polls the supervisor's pid once a second instead. Either way the process
 receives SIGTERM: its ordinary graceful stop (consumers checkpoint at a step boundary, then exit).
+
+A stop signal that comes while the interpreter exits is ignored: Python puts back the default action of its
+handled signals late in its exit, and the second stop signal that launch.sh sends after a SIGHUP/SIGINT to
+the whole group would then kill a process that had just checkpointed (status 143 instead of 0).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -55,8 +60,15 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def ignore_stops_at_exit() -> None:
+    """Stop signals are ignored from the last exit handler on (a handled one would get its default back)."""
+    atexit.register(lambda: [signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS])
+
+
 def watch_supervisor(log: logging.Logger | None = None) -> str:
-    """Arrange for SIGTERM to this process when its launch.sh dies; returns how ("" without a supervisor)."""
+    """Arrange for SIGTERM to this process when its launch.sh dies; returns how ("" without a supervisor).
+    A stop signal during the interpreter's exit is ignored, supervised or not."""
+    ignore_stops_at_exit()
     pid = supervisor_pid()
     if pid is None:
         return ""

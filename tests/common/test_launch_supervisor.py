@@ -74,3 +74,32 @@ def test_a_supervisor_already_gone_when_the_process_starts_is_noticed(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_SUPERVISOR_PID": str(gone.pid)},
     )
     assert done.stdout.splitlines() == ["watch: polling", f"stopped: its launch.sh (pid {gone.pid}) is gone"]
+
+
+EXITING = """import os, signal, subprocess, sys, time
+from common.supervisor import STOP_SIGNALS, watch_supervisor
+for sig in STOP_SIGNALS:
+    signal.signal(sig, lambda n, _f: None)  # a graceful stop: the process's own handler
+watch_supervisor()
+kill = f"while kill -{sys.argv[1]} {os.getpid()} 2>/dev/null; do :; done"  # ends when this pid is reaped
+subprocess.Popen(["sh", "-c", kill], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+time.sleep(0.3)  # then exit 0, stop signals arriving all along
+"""
+
+
+@pytest.mark.parametrize("sig", ["TERM", "HUP", "INT"])
+def test_a_stop_signal_while_the_process_exits_does_not_kill_it(tmp_path, sig):
+    """Found in a loop of the launch tests (issue 36 item 8): SIGTERM to the whole group, then launch.sh's own
+    SIGTERM; a consumer that had checkpointed got the second one while Python exited (its handler already
+    replaced by the default action) and died with 143, so launch.sh returned 143. Before the fix: killed every time."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING)
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, str(script), sig],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+            capture_output=True,
+        )
+        assert done.returncode == 0, done

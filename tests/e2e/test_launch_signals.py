@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from common.joblock import job_lock_path
-from tests.e2e.test_faults_launch import accounting_check, log_text, sockets_left, steps
+from tests.e2e.test_faults_launch import accounting_check, log_text, pid_of, sockets_left, steps
 from tests.jobs import finish, launch, ring_file, tiny_assets, wait_for, write_job
 
 DRAFTERS = [
@@ -61,8 +61,8 @@ def saved(run: Path) -> int:
 
 
 def test_launch_sh_killed_or_hung_up_stops_its_group_gracefully_and_the_same_command_resumes(tmp_path_factory):
-    job = write_job(
-        tiny_assets(tmp_path_factory.mktemp("assets")), drafters=DRAFTERS, tokens_per_batch=1024, name="sup"
+    job = write_job(  # 20 epochs: the rerun is provably still training when its SIGHUP comes (issue 36 item 8)
+        tiny_assets(tmp_path_factory.mktemp("assets")), drafters=DRAFTERS, tokens_per_batch=1024, epochs=20, name="sup"
     )
     run = job.parent
     procs = []
@@ -86,10 +86,11 @@ def test_launch_sh_killed_or_hung_up_stops_its_group_gracefully_and_the_same_com
         assert f"stopped: its launch.sh (pid {first.pid}) is gone: flushing" in log_text(run, "telemetry")
         killed_at = steps(run, "d0")
         wait_for(lambda: started(run, 2, killed_at), 240, "the rerun to attach and train", second)
-        assert second.poll() is None
         assert "resumed from" in log_text(run, "consumer-d0-r0")
 
         # 2. SIGHUP to the whole group (a closed terminal): every process handles it as a graceful stop
+        roles = {m: pid_of(second.pid, m) for m in ("telemetry", "producer", "consumer")}
+        assert second.poll() is None and all(p and running(p) for p in roles.values()), roles  # right before
         os.killpg(second.pid, signal.SIGHUP)
         out = finish(second, 120)
         assert second.returncode == 0, out

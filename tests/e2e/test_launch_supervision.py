@@ -254,20 +254,21 @@ def test_the_orphans_of_a_killed_launch_are_stopped_by_the_next_launch_which_the
 
 def test_sighup_to_launch_sh_alone_stops_the_group_before_anything_is_removed(job):
     """Found from outside (issue 24 item 5): SIGHUP made launch.sh exit 129 and delete the ring and sockets while
-    its processes ran on. The stand-in producer needs its ring file until it has stopped."""
+    its processes ran on. The stand-in producer needs its ring file until it has stopped. Found in CI (issue 36
+    item 8): launch.sh did not return within 60 s, its SIGHUP's trap had run just before `wait -n` began, which
+    then waited on processes that never exit; the signal now comes as soon as both stand-ins are up."""
     ring = ring_file(job)
     script = job.parent / "producer.sh"
     script.write_text(
         f"touch {ring}\ntrap 'test -e {ring} && echo ring-there-at-stop; exit 0' TERM\n"
-        "echo up\nwhile :; do sleep 0.05; done\n"
+        "echo up $$\nwhile :; do sleep 0.05; done\n"
     )
-    proc = launch(job, plan=plan_file(job, [("telemetry", 0, "exec sleep 600"), ("producer", 1, f"exec sh {script}")]))
+    plan = plan_file(job, [("telemetry", 0, "echo up $$; exec sleep 600"), ("producer", 1, f"exec sh {script}")])
+    proc = launch(job, plan=plan)
     try:
         log = run_dir_of(job) / "logs" / "producer.log"
-        deadline = time.monotonic() + 60
-        while "up" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline and proc.poll() is None, "the stand-in did not start"
-            time.sleep(0.05)
+        pids = pids_up(job, proc, ["telemetry", "producer"])
+        assert proc.poll() is None and all(running(p) for p in pids)  # right before the signal
         os.kill(proc.pid, signal.SIGHUP)
         out = finish(proc, 60)
         assert proc.returncode == 0 and "SIGHUP received: stopping the job" in out, out
@@ -277,6 +278,102 @@ def test_sighup_to_launch_sh_alone_stops_the_group_before_anything_is_removed(jo
         ring.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def standin(then: str) -> str:
+    """A stand-in that says "up <pid>" and runs until SIGHUP/SIGTERM, then says "stopping" and does `then`."""
+    return f'trap "echo stopping; {then}" HUP TERM; echo up $$; while :; do sleep 0.05; done'
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def pids_up(job: Path, proc: subprocess.Popen, names: list[str]) -> list[int]:
+    """Each named stand-in's pid once it said "up" (it runs and its traps are set); launch.sh still runs."""
+    logs = run_dir_of(job) / "logs"
+    deadline = time.monotonic() + 60
+    texts = {}
+    while not all("up " in texts.get(n, "") for n in names):
+        assert time.monotonic() < deadline and proc.poll() is None, f"the stand-ins did not start: {texts}"
+        time.sleep(0.02)
+        texts = {n: (logs / f"{n}.log").read_text() if (logs / f"{n}.log").exists() else "" for n in names}
+    return [int(texts[n].split("up ")[1].split()[0]) for n in names]
+
+
+def group_runs(pgid: int) -> bool:
+    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 0
+
+
+def test_a_telemetry_that_exits_cleanly_is_not_restarted_even_as_the_group_stops(job):
+    """Found in CI (issue 36 item 8): SIGHUP to the whole group reached telemetry before launch.sh acted on it;
+    telemetry exited 0 and launch.sh restarted it into the stopping group ("telemetry exited with status 0;
+    restarting it"). Telemetry exits 0 only when told to stop: not a crash. Here its SIGHUP comes first,
+    provably (it has exited and launch.sh has had time to see it), then the group's, while the worker runs."""
+    plan = plan_file(
+        job,
+        [("telemetry", 0, standin("exit 0")), ("worker", 1, standin("sleep 1; echo checkpointed; exit 0"))],
+    )
+    proc = launch(job, "--grace", "20", plan=plan)
+    try:
+        telemetry, worker = pids_up(job, proc, ["telemetry", "worker"])
+        os.kill(telemetry, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while running(telemetry):
+            assert time.monotonic() < deadline, "the stand-in telemetry did not stop"
+            time.sleep(0.02)
+        time.sleep(1.5)  # launch.sh polls 5 times a second (the old one restarted telemetry after 1 s)
+        assert proc.poll() is None and running(worker)
+        os.killpg(proc.pid, signal.SIGHUP)
+        out = finish(proc, 60)
+        assert proc.returncode == 0 and "SIGHUP received: stopping the job" in out, out
+        assert "restarting" not in out and out.count("started telemetry") == 1 and "line " not in out, out
+        logs = run_dir_of(job) / "logs"
+        assert (logs / "telemetry.log").read_text().count("up ") == 1
+        assert "checkpointed" in (logs / "worker.log").read_text()
+        assert not group_runs(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_every_exit_that_comes_with_a_stop_signal_is_collected_once_with_its_status(job):
+    """Found in CI (issue 36 item 8): after SIGHUP to the whole group bash said `wait_for: No record of process`.
+    launch.sh's `wait -n` could lose the status of a child that exited while the signal interrupted it (bash 5.2
+    then says -1 for it), and block when the signal's trap ran just before it; both rare, and not reproduced
+    on demand. What must hold, 10 rounds, the signal at once after every stand-in is up: telemetry, c0 and c1
+    stop gracefully, c2 dies of the SIGHUP (status 129), c3 takes its time; launch.sh names c2 with its status
+    once, returns 129, restarts nothing and leaves nothing running."""
+    plan = plan_file(
+        job,
+        [
+            ("telemetry", 0, standin("exit 0")),
+            ("c0", 1, standin("exit 0")),
+            ("c1", 1, standin("exit 0")),
+            ("c2", 1, "echo up $$; exec sleep 600"),
+            ("c3", 1, standin("sleep 0.5; exit 0")),
+        ],
+    )
+    logs = run_dir_of(job) / "logs"
+    for rnd in range(10):
+        for log in logs.glob("*.log"):
+            log.unlink()  # a round's "up <pid>" lines are its own
+        proc = launch(job, "--grace", "20", plan=plan)
+        try:
+            pids = pids_up(job, proc, ["telemetry", "c0", "c1", "c2", "c3"])
+            assert proc.poll() is None and all(running(p) for p in pids), f"round {rnd}"
+            os.killpg(proc.pid, signal.SIGHUP)
+            out = finish(proc, 30)
+            assert proc.returncode == 128 + signal.SIGHUP, f"round {rnd}:\n{out}"
+            assert out.count("c2 exited with status 129") == 1 and "restarting" not in out, f"round {rnd}:\n{out}"
+            assert "line " not in out and "finished" not in out, f"round {rnd}:\n{out}"
+            assert not group_runs(proc.pid), f"round {rnd}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture
