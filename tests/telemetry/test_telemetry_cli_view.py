@@ -96,6 +96,5 @@ def test_plot_errors_are_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"d0": {"tau": 2}}')
     assert plot.main([str(tmp_path), "--eval", str(tmp_path / "bad.json")]) == 2
     assert (
-        capsys.readouterr().err
-        == f"{tmp_path / 'bad.json'}: no tau_histogram in it (expected a dflash-eval report)\n"
+        capsys.readouterr().err == f"{tmp_path / 'bad.json'}: no tau_histogram in it (expected a dflash-eval report)\n"
     )
