@@ -262,13 +262,34 @@ def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    import argparse
-    import sys
+class PlanInputError(Exception):
+    """One line: the job file or the target's config.json a plan subcommand could not read."""
 
+
+def plan_inputs(job_path: str, target_config: str | None):
+    """The job and its target's config (`target_config` or target.path) for the consumer's plan subcommands
+    (memory-plan, throughput-plan)."""
     from transformers import AutoConfig
 
     from common.config import ConfigError, load_job
+
+    try:
+        job = load_job(job_path)
+    except ConfigError as err:
+        raise PlanInputError(str(err)) from None
+    folder = target_config or job.target.path
+    try:
+        return job, AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise PlanInputError(
+            f"{folder}/config.json: cannot read the target's config ({err}); pass"
+            " --target-config DIR where the model is not on this machine"
+        ) from None
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    import sys
 
     ap = argparse.ArgumentParser(
         prog="python -m consumer memory-plan",
@@ -280,19 +301,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
-        job = load_job(args.job)
-    except ConfigError as err:
+        job, config = plan_inputs(args.job, args.target_config)
+    except PlanInputError as err:
         print(f"consumer memory-plan: {err}", file=sys.stderr)
-        return 2
-    folder = args.target_config or job.target.path
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        print(
-            f"consumer memory-plan: {folder}/config.json: cannot read the target's config ({err}); pass"
-            " --target-config DIR where the model is not on this machine",
-            file=sys.stderr,
-        )
         return 2
     for e in plan_drafters(job, config):
         print(e.to_json() if args.json else f"{e.process} {e.device} {e.parts}")

@@ -104,9 +104,7 @@ def main(argv: list[str]) -> int:
     import argparse
     import sys
 
-    from transformers import AutoConfig
-
-    from common.config import ConfigError, load_job
+    from consumer.memory_plan import PlanInputError, plan_inputs
 
     ap = argparse.ArgumentParser(
         prog="python -m consumer throughput-plan",
@@ -117,19 +115,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sample-tokens", type=int, default=None, help="mean sample length (default: data.max_length)")
     args = ap.parse_args(argv)
     try:
-        job = load_job(args.job)
-    except ConfigError as err:
+        job, config = plan_inputs(args.job, args.target_config)
+    except PlanInputError as err:
         print(f"consumer throughput-plan: {err}", file=sys.stderr)
-        return 2
-    folder = args.target_config or job.target.path
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        print(
-            f"consumer throughput-plan: {folder}/config.json: cannot read the target's config ({err}); pass"
-            " --target-config DIR where the model is not on this machine",
-            file=sys.stderr,
-        )
         return 2
     sample = min(args.sample_tokens or job.data.max_length, job.data.tokens_per_batch)
     for w in plan_works(job, config, sample):
