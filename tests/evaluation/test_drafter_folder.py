@@ -230,3 +230,16 @@ def test_an_eagle3_folder_is_refused_by_its_architecture(assets, tmp_path, capsy
         "architectures ['LlamaForCausalLMEagle3']: only DFlashDraftModel and DFlash2DraftModel"
         in capsys.readouterr().err
     )
+
+
+def test_sharded_weights_with_an_index_load_as_one_file(assets, tmp_path):
+    folder, weights, _ = _copy(assets, tmp_path)
+    state = load_file(str(weights))
+    weights.unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / shard))
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _same_drafts(load_drafter(folder, assets["target"]), load_drafter(assets["good"], assets["target"]))
