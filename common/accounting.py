@@ -15,8 +15,8 @@ Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
                           trained_above
               saved       drafter, id (or null on a replica that does not write), step
               evaluation  drafter, rank, lineage, pass, step, samples [ids evaluated], tau (one whole pass)
-              end         drafter, rank, reason, status, step (the process ends; reason "data exhausted":
-                          the whole plan was delivered, so the job is finished)
+              end         drafter, rank, reason, status, step, finished (the process ends; finished: every
+                          replica's stream ended on "data exhausted", the whole plan delivered to the group)
 The plan record's "validation" (null without data.validation) describes the held-out records
 (producer/validation.py `HeldOut.plan_record`): source, the held-out ids of a split, one pass's sample count
 and digest. They are never in a batch record; the checker audits the passes on their own.
@@ -45,9 +45,9 @@ such seq was trained again, once, in the lineage.
 When a record is durable: every record is one os.write (O_APPEND) as it is made, so a process killed at
 any moment (SIGKILL included) leaves every record it made in the page cache; a torn last line is the only
 loss. A full disk can tear a record too: the log then closes, so the torn record stays its file's last.
-Readers (`read_job_log`: the checker; `plan_records`: a producer's start) skip a torn last record and say so;
-a line that is no record anywhere else is damage, an error. The producer writes a batch's record *before* it sends the BATCH: no
-consumer can train a batch the log does not show as delivered. (An earlier version buffered a second of
+Readers (`read_job_log`: the checker; `plan_records`: a producer's start) skip a torn last record and say
+so; a line that is no record anywhere else is damage, an error. The producer writes a batch's record
+*before* it sends the BATCH: no consumer can train a batch the log does not show as delivered. (An earlier version buffered a second of
 records in memory; a SIGKILLed producer took the deliveries of its last second with it, and the checker
 then found their samples missing from the epoch. A machine crash can still lose what the page cache held:
 the consumers' checkpoints are lost with it too, so the lineage stays consistent.)
@@ -380,11 +380,19 @@ class TrainLedger:
             self.parent, self._attempt, self._pending = self._attempt, None, {}
         self.log.write("saved", {"drafter": self.drafter, "rank": self.rank, "id": self.parent, "step": step})
 
-    def ended(self, reason: str, status: int, step: int) -> None:
-        """The process ends with exit `status`; `reason` is the stream's ("data exhausted": the job is done)."""
+    def ended(self, reason: str, status: int, step: int, *, finished: bool) -> None:
+        """The process ends with exit `status` for `reason`; `finished`: the whole plan was delivered to the
+        group (the checker then wants every batch of it trained)."""
         self.log.write(
             "end",
-            {"drafter": self.drafter, "rank": self.rank, "reason": reason, "status": status, "step": step},
+            {
+                "drafter": self.drafter,
+                "rank": self.rank,
+                "reason": reason,
+                "status": status,
+                "step": step,
+                "finished": finished,
+            },
         )
 
     def close(self) -> None:

@@ -17,8 +17,9 @@ chain of checkpoint records back to a fresh start and collect the seqs trained a
     lineage exactly once (trained again after resume);
   - the held-out records (data.validation), audited on their own (common/accounting_validation.py): never
     in a training batch, every record once in each evaluation pass;
-  - a finished job is complete: when the process that wrote the final checkpoint ended on "data exhausted"
-    (its "end" record), every batch of the plan is in the lineage; the seqs that are not are named;
+  - a finished job is complete: when the process that wrote the final checkpoint ended with the whole plan
+    delivered to its group (its "end" record), every batch of the plan is in the lineage; the seqs that are
+    not are named;
   - every drafter the run folder's job.toml names has records in the job log.
 A job-log file whose last record is torn (a kill or a full disk) is read up to it and named on a "note:" line.
 Data lineages (common/accounting.py): the chain is cut where its checkpoint records change lineage, and each
@@ -49,7 +50,6 @@ from common.accounting import (
 )
 from common.accounting_validation import ValidationReport, check_validation
 from common.checkpoint_pointer import read_pointer
-from common.protocol import DATA_EXHAUSTED
 from common.run_paths import RunPaths
 
 STATE_FILE = "trainer_state.pt"
@@ -349,12 +349,10 @@ def _check_drafter(
 def _check_finished(
     rep: DrafterReport, mine: list[dict], final: dict, node_seqs: dict[int, list[int]], plans: dict
 ) -> None:
-    """A job is finished when the process that wrote the final checkpoint record ended on "data exhausted" (its
-    "end" record): then its lineage must be complete, every batch of the plan trained (`node_seqs`: the last
-    lineage part's seqs per node); what is not is named."""
-    rep.finished = any(
-        r["kind"] == "end" and r["src"] == final["src"] and r.get("reason") == DATA_EXHAUSTED for r in mine
-    )
+    """A job is finished when the process that wrote the final checkpoint record ended with the whole plan
+    delivered to its group (its "end" record): then its lineage must be complete, every batch of the plan
+    trained (`node_seqs`: the last lineage part's seqs per node); what is not is named."""
+    rep.finished = any(r["kind"] == "end" and r["src"] == final["src"] and r.get("finished") for r in mine)
     if not rep.finished or rep.complete:
         return
     name = _lineage(final)

@@ -121,6 +121,7 @@ class ConsumerService:
         self._round: ReceivedBatch | None = None  # trained (forward + backward), round not closed yet
         self._round_tokens = 0
         self._ended: StreamEnd | None = None
+        self._plan_done = False  # every replica's stream ended on "data exhausted": the job is finished
         self._fault: tuple[str, str] | None = None  # ("producer_lost" | "rejected", message)
         self._waiting_since = time.monotonic()
         self._step_seqs: list[int] = []  # this replica's batches in the step being accumulated
@@ -178,7 +179,8 @@ class ConsumerService:
                     return self._finish(EXIT_OK, reason)
                 if total.ended == self.group.world_size:
                     reason = self._ended.reason if self._ended else "end of stream"
-                    if total.exhausted == self.group.world_size and self._group_tokens:
+                    self._plan_done = total.exhausted == self.group.world_size
+                    if self._plan_done and self._group_tokens:
                         self._last_partial_step()
                     log.info("%s: end of stream (%s); trained through seq %d", self.name, reason, self.trainer.last_seq)
                     return self._finish(EXIT_OK, reason)
@@ -471,7 +473,7 @@ class ConsumerService:
                 status = status or EXIT_GROUP_LOST
         if self.ledger:
             try:
-                self.ledger.ended(reason, status, self.trainer.step)
+                self.ledger.ended(reason, status, self.trainer.step, finished=self._plan_done)
             except OSError as err:  # a full disk: the checkpoint above is what counts, say why this is missing
                 log.error("%s: could not log the end in the job log: %s", self.name, err)
         if say_bye and self._connected:

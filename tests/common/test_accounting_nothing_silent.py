@@ -22,7 +22,7 @@ def finished_run(tmp_path, trained: int):
     for s in range(trained):
         a.train(s)
     a.save()
-    a.ledger.ended(DATA_EXHAUSTED, 0, a.trainer.step)
+    a.ledger.ended(DATA_EXHAUSTED, 0, a.trainer.step, finished=True)
     a.ledger.close()
     run.producer.close()
     return run
@@ -79,7 +79,7 @@ def test_a_finished_complete_job_passes_and_an_unfinished_one_is_not_complete_bu
     for s in range(5):
         a.train(s)
     a.save()
-    a.ledger.ended("stopped by SIGTERM", 0, a.trainer.step)
+    a.ledger.ended("stopped by SIGTERM", 0, a.trainer.step, finished=False)
     d0 = run.check().drafters["d0"]
     assert d0.ok and not d0.finished and not d0.complete
 

@@ -179,7 +179,8 @@ def test_the_last_partial_step_is_trained_when_the_data_is_exhausted_only(job, r
     assert trainer.step == steps and saved == [(steps, resume_at)]
     records, torn = read_job_log(ledger.log.path)
     assert not torn and [r["seqs"] for r in records if r["kind"] == "step"] == [[0, 1], [2]][:steps]
-    assert [(r["reason"], r["status"], r["step"]) for r in records if r["kind"] == "end"] == [(end.reason, 0, steps)]
+    ends = [(r["reason"], r["status"], r["step"], r["finished"]) for r in records if r["kind"] == "end"]
+    assert ends == [(end.reason, 0, steps, end.reason == DATA_EXHAUSTED)]
 
 
 def test_a_stop_signal_finishes_the_round_checkpoints_and_exits_cleanly(job, restore_signals):
