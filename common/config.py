@@ -246,7 +246,7 @@ class DrafterConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: Annotated[float, Field(gt=0)] = 1.0
     total_steps: Annotated[int, Field(ge=1)] = 10_000  # length of the lr schedule
-    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # gradient accumulation target; 0: one batch a step
+    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # accumulation target (0: a round a step); the last may be short
     replicas: Annotated[int, Field(ge=1, le=1024)] = 1
     devices: list[str] = Field(default_factory=list)  # one per replica; empty: every replica on "cpu"
     distributed: Literal["ddp", "fsdp"] = "ddp"

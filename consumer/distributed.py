@@ -110,6 +110,7 @@ class RoundFlags:
 
     has_batch: int = 0  # trained (forward + backward) a batch this round, not yet closed
     ended: int = 0  # the producer said END: contributes nothing from now on
+    exhausted: int = 0  # that END said the plan is delivered: the group trains its last, partial step
     starved: int = 0  # waited a full poll without a batch
     tokens: int = 0  # tokens of its batch this round
     stop: int = 0  # asked to stop (SIGTERM/SIGINT): the group stops at this round
