@@ -19,7 +19,9 @@ replica from the shapes alone; uneven matrix counts are fine. Two layouts:
   bf16; every replica applies it, so the weights stay bit-identical across the group.
 - FSDP2 row shards (DTensor Shard(0)): each replica's momentum and U are its rows; the owner gathers U's
   rows in bf16 (exact: NS casts to bf16 first), orthogonalises, and scatters O's rows back.
-Per step a replica orthogonalises about 1/R of the FLOPs; it receives (R − 1)/R of the matrices in bf16
+The step runs in rounds (`rounds`): round j holds each replica's j-th largest matrix, orthogonalised side by side
+and then exchanged, so a replica holds one orthogonalised matrix at a time (and with no group, one matrix at
+a time is the whole step, as torch's). Per step a replica orthogonalises about 1/R of the FLOPs; it receives (R − 1)/R of the matrices in bf16
 (replicated), or about 2(R − 1)/R² of them (FSDP: its owned matrices' rows in, its own rows back).
 
 A non-finite step (`found_inf` > 0) leaves weights and momentum as they were, without a device sync: each
@@ -67,6 +69,16 @@ def assign_owners(costs: list[float], world: int) -> list[int]:
         owners[i] = r
         load[r] += costs[i]
     return owners
+
+
+def rounds(costs: list[float], owners: list[int]) -> list[list[int]]:
+    """The step's rounds: round j holds each replica's j-th largest owned matrix (in rank order), so a replica
+    holds one orthogonalised matrix at a time, and the replicas work on theirs side by side."""
+    mine: dict[int, list[int]] = {}
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        mine.setdefault(owners[i], []).append(i)
+    longest = max((len(v) for v in mine.values()), default=0)
+    return [[mine[r][j] for r in sorted(mine) if j < len(mine[r])] for j in range(longest)]
 
 
 def adjusted_lr(lr: float, how: str | None, shape: tuple[int, ...]) -> float:
@@ -132,44 +144,50 @@ class SplitMuon(torch.optim.Muon):
 
     # -------------------------------------------------------------------------------------- the two layouts
     def _step_replicated(self, matrices: list[_Matrix], owners: list[int], rank: int, pg) -> None:
-        done: dict[int, Tensor] = {}
-        for i, m in enumerate(matrices):  # every momentum here; this replica's share orthogonalised
-            update = self._momentum(m.g, m.buf, m.group, owners[i] == rank)
-            if update is not None:
-                done[i] = self._orthogonalise(update, m.group)
-        for i, m in enumerate(matrices):  # each owner's results to every replica, applied as they come
-            if owners[i] == rank:
-                out = done.pop(i).to(TRANSFER_DTYPE).contiguous()  # a tall matrix's O is a transposed view
-            else:
-                out = torch.empty(m.shape, dtype=TRANSFER_DTYPE, device=m.g.device)
-            if pg is not None:
-                dist.broadcast(out, group=pg, group_src=owners[i])
-            self._apply(m.p, out, m)
+        for batch in rounds([m.cost for m in matrices], owners):
+            done: dict[int, Tensor] = {}
+            for i in batch:  # every momentum here; this replica's matrix of the round orthogonalised
+                m = matrices[i]
+                update = self._momentum(m.g, m.buf, m.group, owners[i] == rank)
+                if update is not None:
+                    done[i] = self._orthogonalise(update, m.group)
+            for i in batch:  # each owner's O to every replica, applied as it comes
+                m = matrices[i]
+                if owners[i] == rank:
+                    out = done.pop(i).to(TRANSFER_DTYPE).contiguous()  # a tall matrix's O is a transposed view
+                else:
+                    out = torch.empty(m.shape, dtype=TRANSFER_DTYPE, device=m.g.device)
+                if pg is not None:
+                    dist.broadcast(out, group=pg, group_src=owners[i])
+                self._apply(m.p, out, m)
 
     def _step_sharded(self, matrices: list[_Matrix], owners: list[int], rank: int, world: int, pg) -> None:
-        full: dict[int, Tensor] = {}
-        for i, m in enumerate(matrices):  # each matrix's rows of U to its owner, in bf16
+        for m in matrices:
             if tuple(m.p.placements) != (Shard(0),):
                 raise ValueError(
                     f"SplitMuon: an FSDP weight of shape {m.shape} is placed {m.p.placements}, not Shard(0)"
                 )
-            update = self._momentum(_local(m.g), _local(m.buf), m.group, True).to(TRANSFER_DTYPE)
-            chunk = -(-m.shape[0] // world)  # FSDP2's row chunks (torch.chunk): ⌈rows / R⌉, the tail shorter
-            send = _pad_rows(update, chunk)
-            parts = [torch.empty_like(send) for _ in range(world)] if owners[i] == rank else None
-            dist.gather(send, parts, group=pg, group_dst=owners[i])
-            if parts is not None:
-                full[i] = torch.cat(parts)[: m.shape[0]]
-        done = {i: self._orthogonalise(u, matrices[i].group) for i, u in full.items()}
-        full.clear()
-        for i, m in enumerate(matrices):  # each owner's O back, row chunk by row chunk
-            local = _local(m.p)
-            chunk = -(-m.shape[0] // world)
-            out = done.pop(i).to(TRANSFER_DTYPE) if owners[i] == rank else None
-            parts = list(_pad_rows(out, world * chunk).split(chunk)) if out is not None else None
-            rows = torch.empty((chunk, *m.shape[1:]), dtype=TRANSFER_DTYPE, device=local.device)
-            dist.scatter(rows, parts, group=pg, group_src=owners[i])
-            self._apply(local, rows[: local.shape[0]], m)
+        for batch in rounds([m.cost for m in matrices], owners):
+            done: dict[int, Tensor] = {}
+            for i in batch:  # each matrix's rows of U to its owner, in bf16
+                m = matrices[i]
+                update = self._momentum(_local(m.g), _local(m.buf), m.group, True).to(TRANSFER_DTYPE)
+                chunk = -(-m.shape[0] // world)  # FSDP2's row chunks (torch.chunk): ⌈rows / R⌉, the tail shorter
+                send = _pad_rows(update, chunk)
+                parts = [torch.empty_like(send) for _ in range(world)] if owners[i] == rank else None
+                dist.gather(send, parts, group=pg, group_dst=owners[i])
+                if parts is not None:
+                    done[i] = torch.cat(parts)[: m.shape[0]]
+            done = {i: self._orthogonalise(u, matrices[i].group) for i, u in done.items()}
+            for i in batch:  # each owner's O back, row chunk by row chunk
+                m = matrices[i]
+                local = _local(m.p)
+                chunk = -(-m.shape[0] // world)
+                out = done.pop(i).to(TRANSFER_DTYPE) if owners[i] == rank else None
+                parts = list(_pad_rows(out, world * chunk).split(chunk)) if out is not None else None
+                rows = torch.empty((chunk, *m.shape[1:]), dtype=TRANSFER_DTYPE, device=local.device)
+                dist.scatter(rows, parts, group=pg, group_src=owners[i])
+                self._apply(local, rows[: local.shape[0]], m)
 
     # ------------------------------------------------------------------------------------ torch's arithmetic
     def _momentum(self, g: Tensor, buf: Tensor, group: dict, update: bool) -> Tensor | None:

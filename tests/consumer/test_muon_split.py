@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.flop_model import newton_schulz_flops
-from consumer.muon import SplitMuon, assign_owners
+from consumer.muon import SplitMuon, assign_owners, rounds
 from tests.jobs import run_ranks
 
 # uneven counts and awkward shapes: tall, wide, rows not divisible by 2 or 3, and a 2-row matrix that leaves
@@ -97,6 +97,9 @@ def test_owners_balance_newton_schulz_flops_for_uneven_counts():
     assert assign_owners([1.0] * 5, 3) == [0, 1, 2, 0, 1]
     # one large matrix and many small: the large one alone on one replica
     assert assign_owners([10.0, 1.0, 1.0, 1.0, 1.0], 2) == [0, 1, 1, 1, 1]
+    # rounds: each replica's j-th largest matrix in round j; alone, one matrix a round
+    assert rounds([10.0, 1.0, 2.0, 1.0, 1.0], [0, 1, 1, 1, 1]) == [[0, 2], [1], [3], [4]]
+    assert rounds([1.0, 3.0, 2.0], [0, 0, 0]) == [[1], [2], [0]]
 
 
 # ------------------------------------------------------------------------------------------- the group
