@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from common.flop_model import newton_schulz_flops
+from consumer.distributed import collective
 
 # what U and O travel as: NS computes in bf16 from its first operation, so bf16 loses nothing (a test that
 # runs NS in float32 sets both)
@@ -132,6 +133,8 @@ class SplitMuon(torch.optim.Muon):
         if not matrices:
             return None
         sharded = isinstance(matrices[0].p, DTensor)
+        if any(isinstance(m.p, DTensor) != sharded for m in matrices):
+            raise ValueError("SplitMuon: some matrices are FSDP (DTensor) shards and some are not: shard all or none")
         pg = matrices[0].p.device_mesh.get_group() if sharded else self.process_group
         world = dist.get_world_size(pg) if pg is not None else 1
         rank = dist.get_rank(pg) if pg is not None else 0
@@ -158,7 +161,7 @@ class SplitMuon(torch.optim.Muon):
                 else:
                     out = torch.empty(m.shape, dtype=TRANSFER_DTYPE, device=m.g.device)
                 if pg is not None:
-                    dist.broadcast(out, group=pg, group_src=owners[i])
+                    _exchange(rank, dist.broadcast, out, group=pg, group_src=owners[i])
                 self._apply(m.p, out, m)
 
     def _step_sharded(self, matrices: list[_Matrix], owners: list[int], rank: int, world: int, pg) -> None:
@@ -175,7 +178,7 @@ class SplitMuon(torch.optim.Muon):
                 chunk = -(-m.shape[0] // world)  # FSDP2's row chunks (torch.chunk): ⌈rows / R⌉, the tail shorter
                 send = _pad_rows(update, chunk)
                 parts = [torch.empty_like(send) for _ in range(world)] if owners[i] == rank else None
-                dist.gather(send, parts, group=pg, group_dst=owners[i])
+                _exchange(rank, dist.gather, send, parts, group=pg, group_dst=owners[i])
                 if parts is not None:
                     done[i] = torch.cat(parts)[: m.shape[0]]
             done = {i: self._orthogonalise(u, matrices[i].group) for i, u in done.items()}
@@ -186,7 +189,7 @@ class SplitMuon(torch.optim.Muon):
                 out = done.pop(i).to(TRANSFER_DTYPE) if owners[i] == rank else None
                 parts = list(_pad_rows(out, world * chunk).split(chunk)) if out is not None else None
                 rows = torch.empty((chunk, *m.shape[1:]), dtype=TRANSFER_DTYPE, device=local.device)
-                dist.scatter(rows, parts, group=pg, group_src=owners[i])
+                _exchange(rank, dist.scatter, rows, parts, group=pg, group_src=owners[i])
                 self._apply(local, rows[: local.shape[0]], m)
 
     # ------------------------------------------------------------------------------------ torch's arithmetic
@@ -217,6 +220,11 @@ class SplitMuon(torch.optim.Muon):
             p.mul_(1 - lr * wd).add_(o, alpha=step)
         else:
             p.copy_(torch.where(self.found_inf > 0, p, p.mul(1 - lr * wd).add_(o, alpha=step)))
+
+
+def _exchange(rank: int, fn, *args, **kwargs) -> None:
+    """`fn(*args, **kwargs)`, one collective of the step; a dead or late replica becomes a GroupError."""
+    collective(f"Muon on replica {rank}", "the Newton–Schulz exchange", lambda: fn(*args, **kwargs))
 
 
 def _pad_rows(t: Tensor, rows: int) -> Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -171,3 +172,38 @@ def test_split_steps_equal_unsplit_torch_muon_and_each_replica_does_its_share(tm
         share = [STEPS * sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world)]
         assert done == pytest.approx(share)  # every step, the skipped one too (its result is discarded)
         assert sum(done) == pytest.approx(STEPS * sum(costs)) and all(0 < d < sum(done) for d in done)
+
+
+def dying_worker(rank: int, port: int, out: str) -> None:
+    """Rank 1 leaves the group before the step; rank 0 steps and writes the error it got."""
+    import torch.distributed as dist
+
+    from consumer.distributed import GroupError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+        dist.barrier()
+        os._exit(0)  # gone without a word: its peer sees the connection close
+    params = [torch.nn.Parameter(w) for w in initial()]
+    opt = SplitMuon(params, **HYPER)
+    opt.split_over(dist.group.WORLD)
+    for p, g in zip(params, grads_at(0), strict=True):
+        p.grad = g
+    dist.barrier()
+    try:
+        opt.step()
+        message = "no error"
+    except GroupError as err:
+        message = str(err)
+    with open(out, "w") as f:
+        f.write(message)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_replica_gone_during_the_exchange_is_a_group_error_naming_it(tmp_path):
+    code = "import sys; from tests.consumer.test_muon_split import dying_worker; dying_worker(*map(int, sys.argv[1:3]), sys.argv[3])"
+    run_ranks(lambda r, port: ["-c", code, r, port, tmp_path / "err.txt"], timeout=120)
+    message = (tmp_path / "err.txt").read_text()
+    assert message.startswith("Muon on replica 0: the group failed during the Newton–Schulz exchange"), message
