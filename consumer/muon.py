@@ -1,7 +1,7 @@
 """Muon's step with Newton–Schulz split over the drafter's replicas (consumer/optim.py builds it).
 
 Why our own step: torch.optim.Muon orthogonalises every matrix on every replica, and at the production shapes
-that work is a large share of a replica's step (docs/scaling.md, "Muon"). Here each matrix has one owner
+that work is a large share of a replica's step (docs/recipes.md, "Optimizer"). Here each matrix has one owner
 replica, which orthogonalises it and sends the result to the others ("Muon is Scalable for LLM Training",
 Moonshot 2025; Dion and torchtitan distribute it alike). The arithmetic is torch's own
 (torch/optim/_muon.py; tests/consumer/test_muon_split.py pins it against torch.optim.Muon):
@@ -19,10 +19,11 @@ replica from the shapes alone; uneven matrix counts are fine. Two layouts:
   bf16; every replica applies it, so the weights stay bit-identical across the group.
 - FSDP2 row shards (DTensor Shard(0)): each replica's momentum and U are its rows; the owner gathers U's
   rows in bf16 (exact: NS casts to bf16 first), orthogonalises, and scatters O's rows back.
-The step runs in rounds (`rounds`): round j holds each replica's j-th largest matrix, orthogonalised side by side
-and then exchanged, so a replica holds one orthogonalised matrix at a time (and with no group, one matrix at
-a time is the whole step, as torch's). Per step a replica orthogonalises about 1/R of the FLOPs; it receives (R − 1)/R of the matrices in bf16
-(replicated), or about 2(R − 1)/R² of them (FSDP: its owned matrices' rows in, its own rows back).
+The step runs in rounds (`rounds`): round j holds each replica's j-th largest matrix, orthogonalised side
+by side and then exchanged, so a replica holds one orthogonalised matrix at a time (with no group, one
+matrix at a time is the whole step, as in torch's). Per step a replica orthogonalises about 1/R of the
+FLOPs; it receives (R − 1)/R of the matrices in bf16 (replicated), or about 2(R − 1)/R² of them (FSDP: its
+owned matrices' rows in, its own rows back). consumer/throughput_plan.py counts both.
 
 A non-finite step (`found_inf` > 0) leaves weights and momentum as they were, without a device sync: each
 matrix's new values are selected with torch.where, one matrix at a time.
