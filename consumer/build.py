@@ -148,6 +148,7 @@ def load_training(
     group.broadcast_params(trainer.params)
     if group.world_size > 1:
         trainer.grad_sync = group.sum_grads
+        group.split_muon(trainer.optimizer)
         log.info(
             "%s is rank %d of %d (node %d of %d), group at %s:%d",
             name,

@@ -204,6 +204,13 @@ class ReplicaGroup:
         trainer.shard(mesh)
         log.info("drafter %s: FSDP2 over %d replicas (%s)", trainer.cfg.name, self.world_size, self.device.type)
 
+    def split_muon(self, optimizer) -> None:
+        """Muon's Newton–Schulz of replicated weights split over the group, each matrix orthogonalised by one
+        replica (consumer/muon.py); FSDP's sharded weights split over their mesh without it. AdamW: nothing."""
+        split_over = getattr(optimizer, "split_over", None)  # MuonWithAdamW (consumer/optim.py imports this module)
+        if self.world_size > 1 and split_over is not None:
+            split_over(dist.group.WORLD)
+
     def sync_round(self, mine: RoundFlags) -> RoundFlags:
         """Sum every replica's flags; the wait here is where replicas wait for each other (allreduce_wait)."""
         if self.world_size == 1:
