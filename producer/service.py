@@ -139,7 +139,6 @@ class ProducerService:
             raise
         job.run_paths.control_endpoint(replica).write_text(self.channel.endpoint)
         self._stop_reason: str | None = None
-        self._ended_peers: set[bytes] = set()
         self._stream: Generator[PackedBatch, None, None] | None = None
         self._stream_next = -1
         self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
@@ -172,9 +171,10 @@ class ProducerService:
         try:
             if not self._wait_for_groups():
                 return 0 if self._stop_reason else 2  # stopped while waiting is no failure
+            said_end = False
             while self._stop_reason is None:
                 self._handle_messages(timeout_s=0)
-                if self._finished():
+                if self._finished() and (said_end := self._farewell()):
                     break
                 seq = self.delivery.next_seq()
                 if seq is None:  # a group without members holds us back (block mode)
@@ -192,8 +192,10 @@ class ProducerService:
                     self.stats.maybe_publish(
                         step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use}
                     )
-            status = self._finish()
-            return 1 if self._abandoned else status
+            if not said_end:  # stopped: END with the stop's reason
+                self._farewell()
+            self._log_done()
+            return 1 if self._abandoned else 0
         finally:
             self._end_startup()
             self.close()
@@ -319,14 +321,17 @@ class ProducerService:
             else:
                 group = self.delivery.groups[member.drafter]
                 log.info(
-                    "%s.r%d (pid %d) attached; its group resumes at seq %s",
+                    "%s.r%d (pid %d) attached; its group resumes at seq %s%s",
                     member.drafter,
                     member.replica,
                     member.pid,
                     group.cursor,
+                    f", seqs {sorted(group.replay)} made again (never trained)" if group.replay else "",
                 )
-                if len(group.live()) == 1:  # the group (re)formed
+                if member.formed:  # the group (re)formed at this member's resume seq
                     self.validation.group_formed(member.drafter, group.cursor)
+                if group.ended:  # nothing left for it (it may re-attach after the group's END)
+                    self._end_group(member.drafter)
                 if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
                     log.warning(
                         "%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
@@ -339,6 +344,8 @@ class ProducerService:
                     )
         elif isinstance(msg, Release):
             if self.delivery.member(peer, msg.epoch) is None:
+                # a session that ended (fenced) kept these batches after all: they are no orphans
+                self.delivery.released_late(msg.epoch, [seq for seq, _slot in msg.pairs])
                 self._stale(peer, msg)
                 return
             for seq, slot in msg.pairs:
@@ -387,9 +394,18 @@ class ProducerService:
             self.channel.send(peer, Fail(f"rejected: {problem}", fatal=True))
             self.channel.forget(peer)
             return
-        self.table.reclaim(peer)  # a previous session of this consumer holds nothing any more
-        self._ended_peers.discard(peer)
-        member = self.delivery.join(peer, msg.drafter, msg.replica, msg.pid, msg.resume_seq)
+        # a previous session of this consumer holds nothing any more: what it held unreleased it never trained
+        unreleased = self.table.held_by(peer)
+        self.table.reclaim(peer)
+        member = self.delivery.join(
+            peer,
+            msg.drafter,
+            msg.replica,
+            msg.pid,
+            msg.resume_seq,
+            reattached=msg.ring_attached,
+            unreleased=unreleased,
+        )
         t = self.job.transport
         # a CUDA export must be opened exactly once: a process that holds the ring gets none
         handle = {} if msg.ring_attached else self.ring.handle()
@@ -408,7 +424,7 @@ class ProducerService:
         )
 
     def _fence(self, peer: bytes, reason: str) -> None:
-        member = self.delivery.leave(peer)
+        member = self.delivery.leave(peer, self.table.held_by(peer))
         freed = self.table.reclaim(peer)
         self.channel.forget(peer)
         if member:
@@ -488,28 +504,36 @@ class ProducerService:
 
     def _end_group(self, drafter: str) -> None:
         for m in self.delivery.groups[drafter].live():
-            if m.peer not in self._ended_peers:
+            if not m.told_end:
                 self.channel.send(m.peer, End(DATA_EXHAUSTED, self.delivery.total_batches - 1))
-                self._ended_peers.add(m.peer)
+                m.told_end = True
 
-    def _finish(self) -> int:
-        """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs."""
+    def _farewell(self) -> bool:
+        """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs. False when,
+        meanwhile, a consumer re-attached behind its group and has batches to be made again (not on a stop):
+        the loop goes on, and its END follows them."""
         reason = self._stop_reason or DATA_EXHAUSTED
         for m in list(self.delivery.by_peer.values()):
-            if m.peer not in self._ended_peers:
+            if not m.told_end:
                 self.channel.send(m.peer, End(reason, self.channel.last_seq))
+                m.told_end = True
         grace = max(10.0, self.job.transport.heartbeat_timeout_s)
         deadline = time.monotonic() + grace
         while self.delivery.by_peer and time.monotonic() < deadline:
             self._handle_messages(timeout_s=POLL_S)
+            if self._stop_reason is None and not self.delivery.finished():
+                return False  # a fenced session left batches it never trained, or one came back for them
         if self.delivery.by_peer:
             log.warning(
                 "consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace
             )
+        return True
+
+    def _log_done(self) -> None:
         log.info(
             "producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases,"
             " %d rejected HELLOs",
-            reason,
+            self._stop_reason or "data exhausted",
             self.counters.batches,
             self.counters.tokens,
             self.counters.fenced,
@@ -517,7 +541,6 @@ class ProducerService:
             self.table.stale_releases,
             self.counters.rejected_hellos,
         )
-        return 0
 
     def close(self) -> None:
         if self._stream is not None:
