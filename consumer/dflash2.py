@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from common.config import DrafterConfig
+from consumer.dspark import DSparkDrafter, DSparkShape
 from consumer.model import MLP, Attention, DFlashDrafter, DrafterArch, RMSNorm
 
 
@@ -245,6 +246,8 @@ def make_drafter(
     """The drafter `cfg.arch` names (drafters.arch)."""
     if cfg.arch == "dflash2":
         return DFlash2Drafter(arch, DFlash2Shape.from_config(cfg), embed_tokens, lm_head, init_seed)
+    if cfg.arch == "dspark":
+        return DSparkDrafter(arch, DSparkShape.from_config(cfg), embed_tokens, lm_head, init_seed)
     return DFlashDrafter(arch, embed_tokens, lm_head, init_seed)
 
 

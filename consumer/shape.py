@@ -26,6 +26,7 @@ SHAPE_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "selector_rank": (("dflash_config", "selector_rank"), "drafters.selector_rank"),
     "conv_group_size": (("dflash_config", "conv_group_size"), "drafters.conv_group_size"),
     "conv_kernel_size": (("dflash_config", "conv_kernel_size"), "drafters.conv_kernel_size"),
+    "markov_rank": (("markov_rank",), "drafters.markov_rank"),
     "optimizer": ((), "the optimizer (AdamW)"),
 }
 

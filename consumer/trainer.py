@@ -31,6 +31,7 @@ from common.host_memory import keep_freed_memory
 from common.profile import timed
 from consumer.checkpoint_state import cpu_copy
 from consumer.dflash2 import DFlash2Drafter, SelectorMetrics, make_drafter, selector_loss
+from consumer.dspark import DSparkDrafter, DSparkMetrics, dspark_loss, metric_view
 from consumer.export.layout import drafter_shape
 from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
@@ -164,11 +165,15 @@ class Trainer:
             if self.use_flex
             else None
         )
-        self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha)
+        # DSpark's loss weights are DeepSpec's static exp(-k/γ), normalised by Σw (consumer/dspark.py)
+        self.slot_loss = slot_loss("decay" if cfg.arch == "dspark" else cfg.loss, cfg.block_size, cfg.dpace_alpha)
         self._build_optimizer()
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
-        self.metrics = DraftMetrics(cfg.block_size, self.device)
+        self.dspark = isinstance(self.model, DSparkDrafter)
+        # DSpark's B slots all predict: read as a DFlash block of B+1 with a label-less anchor (dspark.metric_view)
+        self.metrics = DraftMetrics(cfg.block_size + int(self.dspark), self.device)
+        self.dspark_metrics = DSparkMetrics(self.device)  # DSpark only
         self.nonfinite = SkipCounters(self.device)  # steps skipped for a non-finite loss or gradient
         self.selector_metrics = SelectorMetrics(self.device)  # DFlash2 only
         self._nonfinite_logged = 0
@@ -278,6 +283,7 @@ class Trainer:
             generator=generator,
             partial_blocks=cfg.partial_blocks,
             max_anchors=self.max_anchors,
+            next_token=cfg.arch == "dspark",  # DSpark slots predict x[p+k+1] (sample_from_anchor)
         )
         masks = attention_masks(
             batch,
@@ -310,9 +316,14 @@ class Trainer:
             cand = torch.empty(h.shape[0], cfg.selector_top_k, dtype=torch.int64, device=dev) if dflash2 else None
             weights = self.slot_loss.base_weights(batch.weights)
             used = torch.empty(weights.shape, dtype=torch.float32, device=dev) if dflash2 else None
-            loss_sum, correct = chunked_lm_head_loss(
-                h, self.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, self.slot_loss, cand, used
-            )
+            if self.dspark:  # ce·CE + l1·L1 + confidence·BCE with the Markov bias (consumer/dspark.py)
+                loss_sum, correct, dspark_stats = dspark_loss(
+                    self.model, h, batch.block_ids, batch.labels, weights, cfg.loss_chunk_rows
+                )
+            else:
+                loss_sum, correct = chunked_lm_head_loss(
+                    h, self.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, self.slot_loss, cand, used
+                )
             if dflash2:  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
                 # the selector's slots weighed as the unary loss weighed them (D-PACE: its weights of this batch)
                 sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, used, cfg.loss_chunk_rows, cand)
@@ -324,7 +335,11 @@ class Trainer:
         normaliser = self.slot_loss.normaliser(weights)  # summed over the step's rounds and replicas
         self._pending_loss += loss_sum.detach()
         self._pending_weight += normaliser
-        self.metrics.add(loss_sum, correct, weights, normaliser)
+        if self.dspark:
+            self.metrics.add(loss_sum, *metric_view(correct, weights, cfg.block_size), normaliser)
+            self.dspark_metrics.add(dspark_stats)
+        else:
+            self.metrics.add(loss_sum, correct, weights, normaliser)
         if isinstance(self.model, DFlash2Drafter):
             self.selector_metrics.add(sel_stats)
         if self.prof:
@@ -395,6 +410,8 @@ class Trainer:
         out = self.metrics.read()
         if isinstance(self.model, DFlash2Drafter):
             out.update(self.selector_metrics.read())
+        if self.dspark:
+            out.update(self.dspark_metrics.read())
         out.update(
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=float(self._grad_norm),

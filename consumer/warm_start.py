@@ -10,7 +10,7 @@ Before any tensor is copied, the directory's config is checked against the draft
 layer ids, hidden size, block size, vocabulary, layers, heads, intermediate size, layer kinds and window,
 mask token, the sliding layers' in-block rule as the engines serve it); then every tensor's name and shape.
 A mismatch is one line naming the file, the key, what it holds and what the job has (exit 2 at start-up).
-`may_be_missing` names parameters the directory may lack (a DFlash2 drafter warm-started from a DFlash1
+`may_be_missing` names parameters the directory may lack (a DFlash2 or DSpark drafter warm-started from a DFlash1
 one): they keep their initialisation (identity for DFlash2's new parts).
 """
 
@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from common.checkpoint_pointer import read_pointer
 from common.config import dflash_layer_ids
 from consumer.dflash2 import DFlash2Drafter
+from consumer.dspark import DSPARK_ARCHITECTURE, DSparkDrafter
 from consumer.export.layout import trainer_export_config
 from consumer.sliding_rule import SlidingRuleError, served_rule
 
@@ -136,7 +137,12 @@ def check_config(config: dict, mine: dict, source: str, drafter: str, grows_from
             f"{source}: no dflash_config.target_layer_ids (nor num_target_layers to derive"
             " them): the target features the drafter was trained on are unknown"
         )
+    # DSpark from DFlash1: the copied weights (layers, fc, norms) do not depend on the block size, and DSpark's
+    # slots mean another thing (each predicts the next token), so peers train it at its own block size
+    into_dspark = grows_from_dflash1 and my_arch == [DSPARK_ARCHITECTURE] and theirs_arch == DFLASH1
     for key, job_key in JOB_KEYS.items():
+        if into_dspark and key == "block_size":
+            continue
         found, want = theirs[key], mine[key]
         if found is None or (key == "sliding_block_attention" and want is None):
             continue  # not stated there (the tensors' shapes still are checked), or no sliding layer here
@@ -236,8 +242,11 @@ def job_config(trainer) -> dict:
 def grown_parameters(model, config: dict) -> frozenset[str]:
     """The parameters a DFlash2 drafter may keep at their identity initialisation when the directory is a
     DFlash1 drafter's (consumer/dflash2.py); nothing otherwise."""
-    if isinstance(model, DFlash2Drafter) and (config.get("architectures") or DFLASH1) == DFLASH1:
+    from_dflash1 = (config.get("architectures") or DFLASH1) == DFLASH1
+    if isinstance(model, DFlash2Drafter) and from_dflash1:
         return frozenset(model.identity_init_params(model.arch.num_layers))
+    if isinstance(model, DSparkDrafter) and from_dflash1:  # the Markov and confidence heads start fresh
+        return frozenset(model.HEAD_PARAMS)
     return frozenset()
 
 
@@ -258,11 +267,13 @@ def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] | None 
             params[key].copy_(tensor.to(params[key].dtype))
     kept = sorted(set(params) - set(named))
     log.info(
-        "drafter %s starts from %s: %d tensors%s; fresh optimizer at step 0",
+        "drafter %s starts from %s: %d tensors copied%s; fresh optimizer at step 0",
         trainer.cfg.name,
         root,
         len(named),
-        f", {len(kept)} kept at their initialisation ({', '.join(kept[:4])})" if kept else "",
+        f", {len(kept)} new, kept at their initialisation ({', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''})"
+        if kept
+        else "",
     )
     return root
 

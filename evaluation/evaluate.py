@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from common.checkpoint_pointer import read_pointer
 from consumer.dflash2 import DFlash2Drafter, DFlash2Proposer, DFlash2Shape
+from consumer.dspark import DSPARK_ARCHITECTURE, DSparkDrafter, DSparkProposer, shape_from_export
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.sliding_rule import served_rule
 from consumer.target_parts import load_target_parts
@@ -60,15 +61,15 @@ def resolve_export_dir(path: str | Path) -> Path:
 
 def load_drafter(
     ckpt: str | Path, target_path: str | Path, dtype: str = "float32", device: str = "cpu"
-) -> DFlashProposer | DFlash2Proposer:
+) -> DFlashProposer | DFlash2Proposer | DSparkProposer:
     """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head."""
     path = resolve_export_dir(ckpt)
     cfg = json.loads((path / "config.json").read_text())
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
-    if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
+    if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"], [DSPARK_ARCHITECTURE]):
         raise ValueError(
-            f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel and"
-            " DFlash2DraftModel drafters evaluate here"
+            f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel, DFlash2DraftModel and"
+            f" {DSPARK_ARCHITECTURE} drafters evaluate here"
         )
     try:
         dflash = cfg["dflash_config"]
@@ -103,6 +104,12 @@ def load_drafter(
             f" {target_path} (hidden {parts.hidden_size}, vocab {parts.vocab_size})"
         )
     state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
+    if archs == [DSPARK_ARCHITECTURE]:  # greedy evaluation: the Markov head's sequential walk (consumer/dspark.py)
+        model3 = DSparkDrafter(
+            arch, shape_from_export(cfg, str(path / "config.json")), parts.embed_tokens, parts.lm_head
+        )
+        model3.load_state_dict(state, strict=True)
+        return DSparkProposer(model3.to(device), mask_token_id, layer_ids)
     if archs == ["DFlash2DraftModel"]:  # greedy evaluation: the selector's walk (consumer/dflash2.py)
         try:
             shape = DFlash2Shape(

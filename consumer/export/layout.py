@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from consumer.dflash2 import DFlash2Drafter
+from consumer.dspark import DSparkDrafter, dspark_export_config
 from consumer.mask_token import mask_token_text
 from consumer.model import DrafterArch
 from consumer.shape import shape_from_config
@@ -146,7 +147,10 @@ DFLASH2_MODELING_FILE = Path(__file__).parent / "dflash2.py"
 
 
 def export_config_of(config: dict, model: nn.Module) -> dict:
-    """export_config's dict, made the DFlash2 layout when `model` is a DFlash2Drafter."""
+    """export_config's dict, made the DFlash2 layout when `model` is a DFlash2Drafter, the DSpark one
+    (consumer/dspark.py: Qwen3DSparkModel) for a DSparkDrafter."""
+    if isinstance(model, DSparkDrafter):
+        return dspark_export_config(config, model.shape)
     if not isinstance(model, DFlash2Drafter):
         return config
     s = model.shape
