@@ -57,7 +57,6 @@ def target_problem(job: JobView) -> str | None:
         or tensor_parallel_problem(job)
         or expert_parallel_problem(job)
         or dflash2_group_problem(job)
-        or dspark_tap_problem(job)
     )
 
 
@@ -100,28 +99,6 @@ def dflash2_group_problem(job: JobView) -> str | None:
                 f"drafters.{i}.conv_group_size: {d.conv_group_size} does not divide the target's hidden_size"
                 f" {hidden} ({cfg_path}); choose a divisor (DFlash2's default 16)"
             )
-    return None
-
-
-def dspark_tap_problem(job: JobView) -> str | None:
-    """A DSpark drafter cannot tap the target's last layer: SGLang's DSpark worker refuses target_layer_ids outside
-    {-1} ∪ [0, N-2] (its capture adapters run before each layer). Only explicit target.layer_ids can (the DFlash
-    formula stops at N-3); checked when the target's config is on disk."""
-    cfg_path = Path(job.target.path) / "config.json"
-    ids = job.target.layer_ids
-    if ids is None or not any(d.arch == "dspark" for d in job.drafters) or not cfg_path.is_file():
-        return None
-    try:
-        cfg = json.loads(cfg_path.read_text())
-        depth = int(cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers") or 0)
-    except (ValueError, OSError, AttributeError):
-        return None
-    if depth and depth - 1 in ids:
-        return (
-            f"target.layer_ids: {list(ids)} taps the target's last layer {depth - 1} ({cfg_path}), which SGLang does"
-            ' not serve for a DSpark drafter (drafters.arch = "dspark"); tap layers up to'
-            f" {depth - 2}"
-        )
     return None
 
 

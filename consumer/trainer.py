@@ -153,6 +153,16 @@ class Trainer:
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
         for note in serving_caveats(cfg.block_attention, cfg.attention_layers, cfg.sliding_window, cfg.block_size):
             log.warning("drafter %s: %s", cfg.name, note)
+        if cfg.arch == "dspark" and parts.num_hidden_layers - 1 in self.target_layer_ids:
+            log.warning(
+                "drafter %s: target layer ids %s tap the target's last layer %d, which SGLang does not serve for a"
+                " DSpark drafter (its DSpark worker accepts taps in [-1, %d]); train with target.layer_ids below it"
+                " to serve the export there",
+                cfg.name,
+                self.target_layer_ids,
+                parts.num_hidden_layers - 1,
+                parts.num_hidden_layers - 2,
+            )
         self.model = make_drafter(cfg, self.arch, embed, lm_head, self.seed).to(self.device)  # drafters.arch
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = (

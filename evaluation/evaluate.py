@@ -161,7 +161,7 @@ class EvalReport:
     prompts: int
     generated_tokens: int
     tau: float  # mean over responses of each response's mean acceptance length
-    tau_histogram: list[int]  # [k-1] = number of steps that accepted k tokens, k = 1..B
+    tau_histogram: list[int]  # [k-1] = number of steps that accepted k tokens, k = 1..verify width (B; DSpark B+1)
     target_forwards_per_token: float  # speculative; plain greedy is 1.0
     plain_seconds: float
     speculative_seconds: float
@@ -216,7 +216,7 @@ def evaluate(
                 }
             )
     return EvalReport(
-        block_size=B,
+        block_size=getattr(drafter, "trained_block_size", B),  # DSpark: the trained block (B drafts, verify B+1)
         prompts=len(ids),
         generated_tokens=tokens,
         tau=sum(taus) / len(taus) if taus else 1.0,
