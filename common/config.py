@@ -268,6 +268,13 @@ class DrafterConfig(_Section):
     selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
     # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
     selector_alpha: Annotated[float, Field(ge=0)] = 1.0
+    # DFlash2's optional serving keys (vLLM qwen3_dflash2.py, z-lab's configs): the unary logits the selector scores
+    # are softcap(output_multiplier · h·Wᵀ) (a target whose own logits are scaled and capped), and only ids below
+    # selector_vocab_size are candidates (the padded rows past the tokenizer never are). None: not set, or taken
+    # from init_from's DFlash2 config when it states them (consumer/warm_start.py)
+    output_multiplier: Annotated[float, Field(gt=0)] | None = None
+    final_logit_softcapping: Annotated[float, Field(gt=0)] | None = None
+    selector_vocab_size: Annotated[int, Field(ge=2)] | None = None
     # DSpark (DeepSpec config/dspark/dspark_qwen3_8b.py; consumer/dspark.py): DFlash1's backbone, each slot
     # predicting the token after its position (sample_from_anchor), plus a Markov head (markov_w2·markov_w1[prev]
     # added to the logits) and a confidence head; its loss is ce·CE + l1·L1 + confidence·BCE over exp(-k/γ)

@@ -332,7 +332,15 @@ class Trainer:
                 )
             else:
                 loss_sum, correct = chunked_lm_head_loss(
-                    h, self.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, self.slot_loss, cand, used
+                    h,
+                    self.model.lm_head,
+                    batch.labels,
+                    weights,
+                    cfg.loss_chunk_rows,
+                    self.slot_loss,
+                    cand,
+                    used,
+                    self.model.shape.selector_vocab_size if dflash2 else None,  # DFlash2's candidates' ids
                 )
             if dflash2:  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
                 # the selector's slots weighed as the unary loss weighed them (D-PACE: its weights of this batch)

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from common.checkpoint_pointer import read_pointer
-from common.config import dflash_layer_ids
+from common.config import DrafterConfig, dflash_layer_ids
 from consumer.dflash2 import DFlash2Drafter
 from consumer.dspark import DSPARK_ARCHITECTURE, DSparkDrafter
 from consumer.export.layout import trainer_export_config
@@ -70,6 +70,34 @@ def _dflash(config: dict, key: str):
     return inner[key] if key in inner else config.get(key)
 
 
+# DFlash2's optional serving keys (consumer/dflash2.py DFlash2Shape): a job that leaves them unset takes them from
+# its init_from directory (`with_published_serving_keys`), a job that sets them must agree with it (check_config)
+DFLASH2_SERVING_KEYS = ("output_multiplier", "final_logit_softcapping", "selector_vocab_size")
+
+
+def with_published_serving_keys(cfg: DrafterConfig) -> DrafterConfig:
+    """`cfg` with the DFlash2 serving keys it leaves unset taken from its init_from directory's config.json
+    (dflash_config, or the top level), e.g. z-lab's output_multiplier 0.196 and final_logit_softcapping 20; the
+    same config otherwise (not DFlash2, no init_from, a key the job sets, or a directory that cannot be read: the
+    warm start names that one)."""
+    if cfg.arch != "dflash2" or cfg.init_from is None:
+        return cfg
+    try:
+        config = read_config(resolve_dir(cfg.init_from))
+    except WarmStartError:
+        return cfg
+    found = {k: _dflash(config, k) for k in DFLASH2_SERVING_KEYS if getattr(cfg, k) is None}
+    found = {k: v for k, v in found.items() if v is not None}
+    if found:
+        log.info(
+            "drafter %s: %s from init_from %s",
+            cfg.name,
+            ", ".join(f"{k} = {v}" for k, v in found.items()),
+            cfg.init_from,
+        )
+    return cfg.model_copy(update=found) if found else cfg
+
+
 def published_shape(config: dict, source: str) -> dict:
     """The shape keys of a published config.json, read as SGLang reads them (None: not stated)."""
     kinds = config.get("layer_types")
@@ -99,6 +127,8 @@ def published_shape(config: dict, source: str) -> dict:
         "sliding_block_attention": rule,
         "mask_token_id": _dflash(config, "mask_token_id"),
         "rope_theta": config.get("rope_theta", rope.get("rope_theta")),
+        "num_target_layers": _dflash(config, "num_target_layers"),
+        **{key: _dflash(config, key) for key in DFLASH2_SERVING_KEYS},
     }
 
 
@@ -118,6 +148,10 @@ JOB_KEYS = {
     "sliding_block_attention": "drafters.sliding_block_attention (exported as is_causal)",
     "mask_token_id": "drafters.mask_token_id",
     "rope_theta": "drafters.rope_theta",
+    "num_target_layers": "the target's num_hidden_layers (target.path)",
+    "output_multiplier": "drafters.output_multiplier",
+    "final_logit_softcapping": "drafters.final_logit_softcapping",
+    "selector_vocab_size": "drafters.selector_vocab_size",
 }
 
 

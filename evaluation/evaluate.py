@@ -115,6 +115,11 @@ def load_drafter(
             shape = DFlash2Shape(
                 block_size,
                 *(int(dflash[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+                output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+                final_logit_softcapping=float(dflash["final_logit_softcapping"] or 0.0) or None
+                if "final_logit_softcapping" in dflash
+                else None,
+                selector_vocab_size=dflash.get("selector_vocab_size"),
             )
         except KeyError as err:
             raise KeyError(f"{path / 'config.json'}: required field dflash_config.{err.args[0]} is missing") from None

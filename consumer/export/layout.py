@@ -59,6 +59,7 @@ def export_config(
             "mask_token_id": mask_token_id,
             "mask_token": mask_token_text(str(parts.path), mask_token_id),
             "target_layer_ids": list(target_layer_ids),
+            "block_size": block_size,  # the trained block, also where z-lab's and SGLang's readers look first
         },
         "num_target_layers": parts.num_hidden_layers,
         "num_hidden_layers": arch.num_layers,
@@ -165,6 +166,7 @@ def export_config_of(config: dict, model: nn.Module) -> dict:
             "conv_group_size": s.conv_group_size,
             "selector_rank": s.selector_rank,
             "selector_top_k": s.selector_top_k,
+            **s.export_keys(),  # output_multiplier, final_logit_softcapping, selector_vocab_size when they apply
         },
     }
 
