@@ -31,7 +31,7 @@ from common.host_memory import keep_freed_memory
 from common.profile import timed
 from consumer.checkpoint_state import cpu_copy
 from consumer.dflash2 import DFlash2Drafter, SelectorMetrics, make_drafter, selector_loss
-from consumer.dspark import DSparkDrafter, DSparkMetrics, dspark_loss, metric_view
+from consumer.dspark import DSparkDrafter, DSparkMetrics, dspark_loss, metric_view, target_rows
 from consumer.export.layout import drafter_shape
 from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
@@ -181,6 +181,10 @@ class Trainer:
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
         self.dspark = isinstance(self.model, DSparkDrafter)
+        last = (
+            parts.num_hidden_layers - 1
+        )  # DSpark's L1 against the target's distribution when its last layer is tapped
+        self.dspark_target_block = self.target_layer_ids.index(last) if last in self.target_layer_ids else None
         # DSpark's B slots all predict: read as a DFlash block of B+1 with a label-less anchor (dspark.metric_view)
         self.metrics = DraftMetrics(cfg.block_size + int(self.dspark), self.device)
         self.dspark_metrics = DSparkMetrics(self.device)  # DSpark only
@@ -328,7 +332,13 @@ class Trainer:
             used = torch.empty(weights.shape, dtype=torch.float32, device=dev) if dflash2 else None
             if self.dspark:  # ce·CE + l1·L1 + confidence·BCE with the Markov bias (consumer/dspark.py)
                 loss_sum, correct, dspark_stats = dspark_loss(
-                    self.model, h, batch.block_ids, batch.labels, weights, cfg.loss_chunk_rows
+                    self.model,
+                    h,
+                    batch.block_ids,
+                    batch.labels,
+                    weights,
+                    cfg.loss_chunk_rows,
+                    self.dspark_targets(hidden, batch),
                 )
             else:
                 loss_sum, correct = chunked_lm_head_loss(
@@ -362,6 +372,14 @@ class Trainer:
             self.selector_metrics.add(sel_stats)
         if self.prof:
             self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
+
+    def dspark_targets(self, hidden: Tensor, batch: DraftBatch) -> Tensor | None:
+        """DSpark's target rows [Q, H] (consumer/dspark.py target_rows) when the job taps the target's last layer."""
+        if self.dspark_target_block is None:
+            return None
+        return target_rows(
+            hidden, batch.anchor_tok, self.cfg.block_size, self.dspark_target_block, self.arch.hidden_size
+        )
 
     def optimizer_step(self, seq: int) -> dict[str, float] | None:
         """Close the step whose last batch is `seq`; returns the metrics dict on log steps, else None.

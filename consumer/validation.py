@@ -128,7 +128,13 @@ class Evaluator:
                 weights = tr.slot_loss.base_weights(batch.weights)  # the training objective's (D-PACE: the mask)
                 if tr.dspark:  # its own loss; slots read as a DFlash block with the anchor first (consumer/dspark.py)
                     loss_sum, correct, _ = dspark_loss(
-                        tr.model, out, batch.block_ids, batch.labels, weights, cfg.loss_chunk_rows
+                        tr.model,
+                        out,
+                        batch.block_ids,
+                        batch.labels,
+                        weights,
+                        cfg.loss_chunk_rows,
+                        tr.dspark_targets(h, batch),
                     )
                     return loss_sum, *metric_view(correct, weights, cfg.block_size), tr.slot_loss.normaliser(weights)
                 loss_sum, correct = chunked_lm_head_loss(

@@ -78,9 +78,11 @@ def test_next_token_labels_weights_and_contiguous_prefix_literal():
     assert prev[0].tolist() == [102, 103, 104, 105]  # the anchor, then the token before each slot
 
 
-def _loop_loss(model: DSparkDrafter, h: torch.Tensor, block_ids, labels, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DSpark loss slot by slot with einsum (no shared code): Σ w·(0.1 CE + 0.9 ‖p − onehot‖₁ + BCE(c, p_y))
-    and the base + Markov logits [Q, V]."""
+def _loop_loss(
+    model: DSparkDrafter, h: torch.Tensor, block_ids, labels, weights, target_h=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DSpark loss slot by slot with einsum (no shared code): Σ w·(0.1 CE + 0.9 ‖p − p*‖₁ + BCE(c, 1 − ½‖p − p*‖₁))
+    with p* the one-hot label, or softmax(lm_head · target_h) when given; and the base + Markov logits [Q, V]."""
     W1 = model.markov_head.markov_w1.weight  # [V, r]
     W2 = model.markov_head.markov_w2.weight  # [V, r]
     Wc, bc = model.confidence_head.proj.weight[0], model.confidence_head.proj.bias[0]  # [H + r], []
@@ -94,11 +96,14 @@ def _loop_loss(model: DSparkDrafter, h: torch.Tensor, block_ids, labels, weights
             logit = torch.einsum("h,vh->v", h[i], model.lm_head) + torch.einsum("vr,r->v", W2, e)
             rows.append(logit)
             p = torch.softmax(logit, -1)
-            onehot = torch.zeros(V)
-            onehot[labels[i]] = 1.0
+            if target_h is None:
+                ref = torch.zeros(V)
+                ref[labels[i]] = 1.0
+            else:
+                ref = torch.softmax(torch.einsum("h,vh->v", target_h[i], model.lm_head), -1)
             ce = -torch.log(p[labels[i]])
-            l1 = (p - onehot).abs().sum()
-            t = p[labels[i]].detach()
+            l1 = (p - ref).abs().sum()
+            t = (1 - l1 / 2).detach()
             c = torch.einsum("f,f->", Wc, torch.cat([h[i], e])) + bc
             s = torch.sigmoid(c)
             bce = -(t * torch.log(s) + (1 - t) * torch.log(1 - s))
@@ -107,7 +112,8 @@ def _loop_loss(model: DSparkDrafter, h: torch.Tensor, block_ids, labels, weights
     return total, torch.stack(rows)
 
 
-def test_forward_and_loss_equal_an_independent_loop_with_their_gradients():
+@pytest.mark.parametrize("soft", [False, True], ids=["one-hot target", "target distribution"])
+def test_forward_and_loss_equal_an_independent_loop_with_their_gradients(soft):
     torch.manual_seed(0)
     model = randomised()
     lengths = [14, 11]
@@ -128,10 +134,11 @@ def test_forward_and_loss_equal_an_independent_loop_with_their_gradients():
     feats = torch.randn(sum(lengths), 3 * H, generator=g)
     h = model(feats, batch.ctx_pos, batch.block_ids, batch.block_pos, dense_mask(batch))
     assert h.shape == (8 * B, H)
-    total, correct, stats = dspark_loss(model, h, batch.block_ids, batch.labels, batch.weights, chunk_rows=5)
+    target_h = torch.randn(8 * B, H, generator=g) if soft else None
+    total, correct, stats = dspark_loss(model, h, batch.block_ids, batch.labels, batch.weights, 5, target_h)
     params = [model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight, model.confidence_head.proj.weight]
     grads = torch.autograd.grad(total, [*params, model.fc.weight], retain_graph=True)
-    want, logits = _loop_loss(model, h, batch.block_ids, batch.labels, batch.weights)
+    want, logits = _loop_loss(model, h, batch.block_ids, batch.labels, batch.weights, target_h)
     want_grads = torch.autograd.grad(want, [*params, model.fc.weight])
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-4)
     for got, ref in zip(grads, want_grads, strict=True):
@@ -141,6 +148,18 @@ def test_forward_and_loss_equal_an_independent_loop_with_their_gradients():
     # the served step logits are the same sum (consumer/dspark.py step_logits)
     prev = previous_tokens(batch.block_ids, batch.labels, B)
     torch.testing.assert_close(model.step_logits(h, prev), logits, rtol=1e-5, atol=1e-4)
+
+
+def test_target_rows_are_the_last_layers_features_at_each_slots_position():
+    """Slot k of anchor p reads the target's last hidden state at p+k (the distribution of x[p+k+1]), clamped to the
+    batch; the last layer's block of the features is the one read."""
+    from consumer.dspark import target_rows
+
+    T, H2 = 10, 3
+    feats = torch.arange(T * 2 * H2, dtype=torch.float32).view(T, 2 * H2)  # blocks: layer a | the last layer
+    rows = target_rows(feats, torch.tensor([2, 8]), 3, last_block=1, hidden_size=H2)
+    assert rows[:, 0].tolist() == [feats[i, H2].item() for i in (2, 3, 4, 8, 9, 9)]
+    assert rows.shape == (6, H2)
 
 
 def test_confidence_without_markov_reads_the_hidden_state_only():
@@ -358,6 +377,13 @@ def test_a_dspark_tap_of_the_last_target_layer_is_named_at_start(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="consumer.trainer"):
         Trainer(cfg, parts, [1, 2, 4], "cpu")
         assert not [r for r in caplog.records if "last layer" in r.getMessage()]
-        Trainer(cfg, parts, [1, 3, 5], "cpu")
+        tapped = Trainer(cfg, parts, [1, 3, 5], "cpu")
+    assert tapped.dspark_target_block == 2  # its loss reads the target's distribution from that block
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (40,), generator=g)
+    m = tapped.train_batch(
+        torch.randn(40, 3 * 64, generator=g), ids, torch.ones(40, dtype=torch.uint8), torch.tensor([0, 40]), 0
+    )
+    assert math.isfinite(m["loss"]) and 0 < m["dspark_l1"] < 2  # against a distribution, not a one-hot
     (line,) = [r.getMessage() for r in caplog.records if "last layer" in r.getMessage()]
     assert "tap the target's last layer 5, which SGLang does not serve" in line
