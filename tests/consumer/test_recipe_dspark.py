@@ -387,3 +387,40 @@ def test_a_dspark_tap_of_the_last_target_layer_is_named_at_start(tmp_path, caplo
     assert math.isfinite(m["loss"]) and 0 < m["dspark_l1"] < 2  # against a distribution, not a one-hot
     (line,) = [r.getMessage() for r in caplog.records if "last layer" in r.getMessage()]
     assert "tap the target's last layer 5, which SGLang does not serve" in line
+
+
+@pytest.mark.slow
+def test_dspark_under_fsdp_equals_the_unsharded_replicas(tmp_path):
+    """Two gloo ranks (tests/procs/fsdp_dflash2_worker.py with arch dspark): FSDP2 shards the decoder layers and
+    keeps the Markov and confidence heads in the root unit, which FSDP2 keeps gathered from forward to backward,
+    so the loss reads them after the forward; the steps equal the unsharded replicas' (a stand-in pass included)."""
+    from tests.consumer.test_drafter_common import distinct_seqs, packed
+    from tests.consumer.test_scaleout_fsdp import assert_same_steps
+    from tests.jobs import run_ranks
+
+    model = tiny_target(tmp_path / "target")
+    batches = []
+    for i in range(4):
+        seqs = distinct_seqs([24 + i, 30 - i], seed=i)
+        batches.append((target_features(model, seqs), *packed(seqs)))  # the worker's taps: [1, 3, 5]
+    torch.save(batches, tmp_path / "batches.pt")
+    worker = "tests.procs.fsdp_dflash2_worker"
+    run_ranks(
+        lambda rank, port: [
+            "-m",
+            worker,
+            tmp_path / "target",
+            tmp_path / "batches.pt",
+            tmp_path,
+            rank,
+            2,
+            port,
+            "dspark",
+        ]
+    )
+    r = torch.load(tmp_path / "result.pt", weights_only=True)
+    assert len(r["fsdp"]) == len(r["replicas"]) == 3
+    assert_same_steps(r["fsdp"], r["replicas"])
+    first, last = (r["fsdp"][i]["params"]["markov_head.markov_w2.weight"] for i in (0, -1))
+    assert (last - first).abs().max() > 1e-4  # the Markov head trained under FSDP
+    assert r["fsdp"][-1]["loss"] == pytest.approx(r["replicas"][-1]["loss"], rel=1e-4)
