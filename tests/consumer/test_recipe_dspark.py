@@ -389,6 +389,22 @@ def test_a_dspark_tap_of_the_last_target_layer_is_named_at_start(tmp_path, caplo
     assert "tap the target's last layer 5, which SGLang does not serve" in line
 
 
+def test_a_validation_pass_reads_dsparks_own_loss_and_slots(trained):
+    """consumer/validation.py on a DSpark drafter: the held-out loss is dspark_loss's, and tau_est counts the slots
+    from the anchor's, as training's metrics do."""
+    from consumer.validation import Evaluator
+
+    target, trainer, _, prompts, _ = trained
+    seqs = [torch.tensor(plain_greedy(target, p, 40)) for p in prompts]
+    ids = torch.cat(seqs)
+    mask = torch.cat([(torch.arange(len(s)) >= 4).to(torch.uint8) for s in seqs])
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    result = Evaluator(trainer).add(target_features(target, seqs, LAYER_IDS), ids, mask, cu, [0, 1, 2], (0, 0, 1))
+    m = result.metrics
+    assert set(m) == {"loss", "tau_est", *(f"acc_slot_{k}" for k in range(1, B + 1))}
+    assert m["tau_est"] > 1.5 and 0 < m["loss"] < 10, m  # it fits these continuations (the training data)
+
+
 @pytest.mark.slow
 def test_dspark_under_fsdp_equals_the_unsharded_replicas(tmp_path):
     """Two gloo ranks (tests/procs/fsdp_dflash2_worker.py with arch dspark): FSDP2 shards the decoder layers and
