@@ -72,7 +72,8 @@ def load_drafter(
             f" {DSPARK_ARCHITECTURE} drafters evaluate here"
         )
     try:
-        dflash = cfg["dflash_config"]
+        # DeepSpec's DSpark configs state the DFlash keys at the top level only
+        dflash = cfg["dflash_config"] if archs != [DSPARK_ARCHITECTURE] else cfg.get("dflash_config") or cfg
         layer_ids = list(dflash["target_layer_ids"])
         mask_token_id = int(dflash["mask_token_id"])
         block_size = int(dflash.get("block_size", cfg.get("block_size", 16)))  # z-lab reads it there first
@@ -105,6 +106,10 @@ def load_drafter(
         )
     state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
     if archs == [DSPARK_ARCHITECTURE]:  # greedy evaluation: the Markov head's sequential walk (consumer/dspark.py)
+        # DeepSpec saves its frozen copies of the target's embedding and head: the target's own are used
+        state = {
+            k: v for k, v in state.items() if k.removeprefix("model.") not in ("embed_tokens.weight", "lm_head.weight")
+        }
         model3 = DSparkDrafter(
             arch, shape_from_export(cfg, str(path / "config.json")), parts.embed_tokens, parts.lm_head
         )

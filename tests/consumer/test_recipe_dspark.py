@@ -339,6 +339,30 @@ def test_speculative_decoding_with_the_markov_walk_is_lossless(trained):
     assert proposer.propose(feats[:p], seq[: p + 1]).tolist() == trainer.model.walk(h, block[0]).tolist()
 
 
+def test_dflash_eval_loads_a_deepspec_layout(trained, tmp_path):
+    """DeepSpec's build_draft_config states the DFlash keys at the top level only (no dflash_config) and its
+    checkpoint holds its frozen embed_tokens / lm_head copies: dflash-eval loads it and drafts as our export."""
+    from safetensors.torch import load_file, save_file
+
+    from evaluation.evaluate import load_drafter
+
+    target, trainer, ckpt, prompts, _ = trained
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("dflash_config")
+    d = tmp_path / "deepspec"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(ckpt / "model.safetensors"))
+    state |= {"embed_tokens.weight": trainer.parts.embed_tokens, "lm_head.weight": trainer.parts.lm_head}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
+    ours, theirs = load_drafter(ckpt, trainer.parts.path), load_drafter(d, trainer.parts.path)
+    seq = torch.tensor(plain_greedy(target, prompts[1], 20))
+    feats = target_features(target, [seq], LAYER_IDS)
+    assert theirs.layer_ids == LAYER_IDS and theirs.mask_token_id == ours.mask_token_id
+    for p in (6, 11):
+        assert theirs.propose(feats[:p], seq[: p + 1]).tolist() == ours.propose(feats[:p], seq[: p + 1]).tolist()
+
+
 def test_warm_start_from_a_dflash1_drafter_copies_the_backbone_and_starts_the_heads(tmp_path, caplog):
     from consumer.checkpoint import save_checkpoint
     from consumer.target_parts import load_target_parts
