@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -438,8 +439,19 @@ def _format_error(source: str, err: ValidationError) -> str:
             msg = "unknown key" + _nearest_key(e["loc"])
         elif e["type"] == "missing":
             msg = "required key is missing"
+        elif e["type"] == "literal_error":
+            msg = _unknown_value(e["input"], (e.get("ctx") or {}).get("expected", ""))
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
+
+
+def _unknown_value(value: Any, expected: str) -> str:
+    """A value an enumerated key does not take (a head, loss, optimizer ... this version does not know): the
+    value, the nearest valid name, and every valid one."""
+    names = re.findall(r"'([^']*)'", expected)
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown value {value!r}{hint}; this version knows: {', '.join(names)}"
 
 
 def _section_keys(loc: tuple) -> list[str]:

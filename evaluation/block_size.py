@@ -8,8 +8,9 @@ parser); a published config that states neither was trained at 16 (z-lab's and S
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from evaluation.drafter_folder import read_config
 
 DEFAULT_BLOCK_SIZE = 16  # z-lab's and SGLang's reader default
 
@@ -25,7 +26,7 @@ def check_block_size(export_dir: str | Path, requested: int | None) -> int:
     """The trained block size of the export in `export_dir`; ValueError (one line naming the file, both sizes)
     when `requested` (the --block-size asked for; None: the trained one) differs from it."""
     file = Path(export_dir) / "config.json"
-    trained = trained_block_size(json.loads(file.read_text()))
+    trained = trained_block_size(read_config(Path(export_dir)))  # a damaged or foreign config: one line too
     if requested is not None and requested != trained:
         raise ValueError(
             f"--block-size {requested}: {file} was trained at block size {trained}; a drafter served at another"
