@@ -34,7 +34,7 @@ from consumer.stream import BatchStream
 from consumer.target_parts import TargetParts, TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
 from consumer.validation import Evaluator, job_validation
-from consumer.warm_start import WarmStartError, warm_start_unless_resuming
+from consumer.warm_start import WarmStartError, warm_start_unless_resuming, with_published_serving_keys
 
 log = logging.getLogger("consumer")
 
@@ -84,9 +84,10 @@ def target_layer_ids(job: JobConfig, parts: TargetParts) -> list[int]:
 def new_trainer(
     job: JobConfig, cfg: DrafterConfig, parts: TargetParts, device: torch.device, prof: ProfileStats | None = None
 ) -> Trainer:
-    """A fresh trainer of drafter `cfg` over the job's captured layers, seeded by the job."""
+    """A fresh trainer of drafter `cfg` over the job's captured layers, seeded by the job (a DFlash2 drafter's unset
+    serving keys taken from its init_from directory: consumer/warm_start.py)."""
     return Trainer(
-        cfg,
+        with_published_serving_keys(cfg),
         parts,
         target_layer_ids(job, parts),
         device,

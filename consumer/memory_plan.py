@@ -118,6 +118,7 @@ def step_peak(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from consumer.dflash2 import DFlash2Drafter, make_drafter
+    from consumer.dspark import DSparkDrafter
     from consumer.loss import chunked_lm_head_loss
     from consumer.objective import attention_masks, build_draft_batch
     from consumer.optim import build_optimizer
@@ -171,6 +172,9 @@ def step_peak(
                     # its weights, gradients and moments are planned; the selector loss's activations (one chunk
                     # at a time, recomputed in backward) are not: MemTracker refuses a module called per chunk
                     loss_sum = loss_sum + 0.0 * sum(p.sum() for p in model.candidate_selector.parameters())
+                if isinstance(model, DSparkDrafter):  # the same for DSpark's Markov and confidence heads
+                    heads = (*model.markov_head.parameters(), *model.confidence_head.parameters())
+                    loss_sum = loss_sum + 0.0 * sum(p.sum() for p in heads)
             loss_sum.backward()
             weight = batch.weights.sum()
             torch._foreach_mul_([p.grad for p in params], 1.0 / weight.clamp_min(1e-12))
