@@ -236,7 +236,7 @@ def test_the_table_goes_between_the_markers_and_a_failed_stage_says_why(tmp_path
             "ok": True,
             "tokens_per_s": 51234.5,
             "gpu_mem_peak_gib": 16.1,
-            "recompiles_in_timed_batches": 0,
+            "graphs_in_timed_batches": 0,
             "compile_s": 12.5,
             "run_s": 30.0,
             "wall_s": 50.0,
@@ -246,7 +246,7 @@ def test_the_table_goes_between_the_markers_and_a_failed_stage_says_why(tmp_path
             "tokens_per_s": 40000.0,
             "gpu_mem_peak_gib": 58.2,
             "nvml_on_over_off_step_time": 1.002,
-            "recompiles_in_timed_batches": 1,
+            "graphs_in_timed_batches": 1,
             "wall_s": 90.0,
         },
         "pipeline": {"ok": False, "error": "RuntimeError: the pipeline did not start training", "wall_s": 70.0},
@@ -261,10 +261,27 @@ def test_the_table_goes_between_the_markers_and_a_failed_stage_says_why(tmp_path
     assert "| CUDA-marked tests (Triton compiled) | 31 passed, 0 failed, 0 errors, 2 skipped |" in text
     assert "| producer alone (36-layer 8B-shaped target), tokens/s | 51234.5 |" in text
     assert "| GPU memory peak, consumer (torch allocator) | 58.2 GiB |" in text
-    assert "| Dynamo recompiles in the timed (unseen) batches, consumer | 1 |" in text
+    assert "| Dynamo graphs compiled in the timed (unseen) batches, consumer | 1 |" in text
     assert "| pipeline, 2 drafters, tokens/s (slowest drafter) | failed: RuntimeError: the pipeline did not" in text
     assert "| CUDA context of one process (NVML), MiB | n/a |" in text
     assert "NVIDIA H200" in text
+
+
+def test_dynamo_counts_see_a_recompile_on_a_new_shape():
+    """The timed batches' "graphs compiled" figure counts a recompile: a static-shape function called at a new
+    shape builds a second graph (torch's counters["recompiles"] stays 0, which the report read before)."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    f(torch.ones(3))
+    warm = gpu_check_stages.dynamo_counts()
+    f(torch.ones(3))  # the same shape: no new graph
+    assert gpu_check_stages.dynamo_counts() == warm
+    f(torch.ones(5))  # a new shape: a recompile
+    after = gpu_check_stages.dynamo_counts()
+    assert after["graphs"] - warm["graphs"] == 1 and after["frames"] - warm["frames"] == 1
 
 
 def test_a_markdown_file_without_markers_is_refused_by_name(tmp_path):
