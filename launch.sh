@@ -7,7 +7,7 @@
 #                                            memory peak (--device-memory GIB: the size of GPUs NVML cannot
 #                                            report; --target-config DIR: the target's config.json elsewhere),
 #                                            then each stage's time per batch, the bottleneck and samples/s
-#                                            (--device h100|h200, --sample-tokens N: the samples' mean length)
+#                                            (--device h100|h200, --sample-tokens N); exit 3 when a GPU does not fit
 #   options: --grace SECONDS (default 60)    how long a stop (SIGINT/SIGTERM/SIGHUP) waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
@@ -98,8 +98,10 @@ if ((dry)); then
   printf '%s\n' "$plan" | while IFS=$'\t' read -r name critical log cmd; do
     printf '%-24s critical=%s log=%s\n    %s\n' "$name" "$critical" "$log" "$cmd"
   done
-  [[ -z ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && { echo; "$PY" -m common.launch_plan "$job" --device-map --memory "${memory_opts[@]}" --node-rank "$node_rank" --nnodes "$nnodes"; }
-  exit 0
+  [[ -n ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && exit 0
+  echo
+  "$PY" -m common.launch_plan "$job" --device-map --memory "${memory_opts[@]}" --node-rank "$node_rank" --nnodes "$nnodes"
+  exit $?  # 3: a device is planned over its memory
 fi
 
 info=$("$PY" -m common.joblock info "$job" --node-rank "$node_rank") || exit 2

@@ -23,6 +23,7 @@ from common.storage import StorageError, check_room
 from consumer.best_checkpoint import BestCheckpoint
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, write_checkpoint
 from consumer.checkpoint_state import restore, world_change
+from consumer.copy_out import CopyOut, copy_out_rows
 from consumer.distributed import GroupEnv, ReplicaGroup, StepTrace
 from consumer.export.layout import trainer_export_config
 from consumer.fanin import FanIn
@@ -174,7 +175,10 @@ def build_stream(
     prof: ProfileStats | None = None,
     launch_id: str = "",
 ) -> BatchStream | FanIn:
-    """One stream per target replica's producer (consumer/fanin.py), each asking `resume` for its seq."""
+    """One stream per target replica's producer (consumer/fanin.py), each asking `resume` for its seq, all
+    copying out into one CopyOut: the trainer takes one batch at a time, whichever producer sent it."""
+    ring = torch.device("cuda" if job.transport_kind == "cuda" else "cpu")
+    copy_out = CopyOut(device, ring, copy_out_rows(job))
     streams = [
         BatchStream(
             job,
@@ -187,6 +191,7 @@ def build_stream(
             launch_id=launch_id,
             stopping=stop.requested,
             producer=p,
+            copy_out=copy_out,
         )
         for p in range(job.target.replicas)
     ]

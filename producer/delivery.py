@@ -182,6 +182,20 @@ class Delivery:
         """The live members that may be sent a batch (not yet told the stream ended)."""
         return [m for m in g.live() if not m.told_end]
 
+    def next_seq_after(self, seq: int) -> int | None:
+        """What next_seq() will give once `seq` went to the groups that need it now, membership unchanged: the
+        producer enqueues that batch's forward before it publishes `seq` (checked against next_seq() then)."""
+        if self.waiting_for():
+            return None
+        cursors = []
+        for g in self.groups.values():
+            if g.ended or not g.live() or g.cursor is None:
+                continue
+            cursor = g.cursor + self.stride if g.cursor == seq else g.cursor
+            if cursor < self.total_batches:
+                cursors.append(cursor)
+        return min(cursors) if cursors else None
+
     def recipients(self, seq: int) -> list[Member]:
         """One live member of every group that needs `seq`; advances those groups' cursors (or takes `seq` off
         their replay)."""

@@ -1,7 +1,9 @@
 """The producer loop: data → target forward → slot → BATCH to every drafter group → releases.
 
-One target forward serves every drafter. The loop reads top to bottom in `run()`; message handling,
-slot waits and the end of the job are the helpers below it; evaluation passes are run by
+One target forward serves every drafter. On a CUDA ring the next batch's forward is queued before the last
+one's writes are waited for and it is published (one batch in flight), so the GPU never idles between two
+forwards; a CPU forward is synchronous and is published at once. The loop reads top to bottom in `run()`;
+message handling, slot waits and the end of the job are the helpers below it; evaluation passes are run by
 producer/validation_passes.py where the loop says one may be due. Every wait is a poll with a timeout.
 """
 
@@ -15,6 +17,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from common.accounting import DeliveryLedger
+from common.backoff import Backoff
 from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig
 from common.host_memory import keep_freed_memory
@@ -141,6 +144,9 @@ class ProducerService:
         self._stop_reason: str | None = None
         self._stream: Generator[PackedBatch, None, None] | None = None
         self._stream_next = -1
+        # the batch whose forward was queued last, not yet published: (slot, batch, layout)
+        self._in_flight: tuple[int, PackedBatch, list[TensorSpec]] | None = None
+        self.overlap_forwards = self.ring.kind == "cuda"  # a CPU forward is done when it returns: publish at once
         self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
         self._abandoned: list[str] = []  # groups the job ended without (skip mode, none came back in time)
         self.validation = ValidationPasses(
@@ -176,22 +182,31 @@ class ProducerService:
                 self._handle_messages(timeout_s=0)
                 if self._finished() and (said_end := self._farewell()):
                     break
-                seq = self.delivery.next_seq()
-                if seq is None:  # a group without members holds us back (block mode)
-                    self._timed_wait("wait_consumers")
+                ahead = self._in_flight is not None  # batch n's forward is queued: n+1's goes in behind it
+                seq = self.delivery.next_seq_after(self._in_flight[1].seq) if ahead else self.delivery.next_seq()
+                if seq is None:  # nothing more to make now: batch n goes out; or a group without members holds us
+                    if ahead:
+                        self._publish_in_flight()
+                    else:
+                        self._timed_wait("wait_consumers")
                     continue
-                self.validation.run_due()  # a pass a (re)formed group is due before its next batch
-                slot = self._acquire_slot()
+                if not ahead:
+                    self.validation.run_due()  # a pass a (re)formed group is due before its next batch
+                slot = self.table.acquire() if ahead else self._acquire_slot()
                 if slot is None:
-                    continue  # stop requested, or the recipients changed while we waited
+                    if ahead:  # every other slot is held: batch n goes out, then the usual wait for a slot
+                        self._publish_in_flight()
+                    continue  # or: stop requested, or the recipients changed while we waited
                 batch = self._batch_at(seq)
                 layout = self._write_slot(slot, batch)
-                self._publish(slot, batch, layout)
-                self._end_startup()
-                if self.stats:
-                    self.stats.maybe_publish(
-                        step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use}
-                    )
+                if ahead:
+                    self._publish_in_flight()
+                self._in_flight = (slot, batch, layout)
+                if not self.overlap_forwards:
+                    self._publish_in_flight()
+            if self._in_flight is not None:  # made, never sent: its slot is free again, no cursor moved
+                self.table.abort(self._in_flight[0])
+                self._in_flight = None
             if not said_end:  # stopped: END with the stop's reason
                 self._farewell()
             self._log_done()
@@ -232,10 +247,26 @@ class ProducerService:
             self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
         with timed(self.prof, "write_slot"):
             from_host = {f.name: getattr(batch, f.name) for f in FIELDS if f.name != "hidden"}
-            self.ring.end_write(slot, views, from_host, batch.seq)
-        while not self.ring.is_written(slot):  # CUDA: poll the event, keep serving messages meanwhile
-            self._handle_messages(timeout_s=0.0005)
+            self.ring.end_write(slot, views, from_host, batch.seq)  # queued (CUDA): waited for at its publish
         return layout
+
+    def _publish_in_flight(self) -> None:
+        """Send the batch whose forward was queued last, once its writes completed (CUDA: its event, polled
+        with a growing delay while messages are served). A batch made ahead that is no longer the next one
+        (the groups changed meanwhile) goes back unsent: its slot is freed and it is made again when due."""
+        assert self._in_flight is not None
+        slot, batch, layout = self._in_flight
+        self._in_flight = None
+        wait = Backoff()
+        while not self.ring.is_written(slot):
+            self._handle_messages(timeout_s=wait.next())
+        if batch.seq != self.delivery.next_seq():
+            self.table.abort(slot)
+            return
+        self._publish(slot, batch, layout)
+        self._end_startup()
+        if self.stats:
+            self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
 
     def _publish(self, slot: int, batch: PackedBatch, layout: list[TensorSpec]) -> None:
         members = self.delivery.recipients(batch.seq)

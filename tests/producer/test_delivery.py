@@ -20,6 +20,25 @@ def test_every_group_gets_every_batch_round_robin_within_a_group():
     assert d.finished()
 
 
+def test_next_seq_after_is_what_next_seq_gives_once_the_batch_went_out():
+    """The producer makes batch n+1 while n's forward runs: next_seq_after(n) must be next_seq() after
+    recipients(n), with a group replaying behind the others, strides of 2, and groups ending."""
+    d = Delivery(["a", "b"], 40, stride=2, offset=1)
+    attach(d, b"a0", "a", resume=1)
+    attach(d, b"b0", "b", resume=1)
+    for _ in range(6):
+        d.recipients(d.next_seq())
+    d.leave(b"b0")
+    attach(d, b"b0", "b", resume=5)  # b replays from seq 5; a waits at 13
+    seen = []
+    while (seq := d.next_seq()) is not None:
+        ahead = d.next_seq_after(seq)
+        d.recipients(seq)
+        assert ahead == d.next_seq(), seq
+        seen.append(seq)
+    assert seen == [5, 7, 9, 11, *range(13, 40, 2)] and d.finished()
+
+
 def test_missing_group_blocks_or_is_skipped():
     block = Delivery(["a", "b"], 4, "block")
     attach(block, b"a0", "a")
