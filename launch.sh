@@ -51,12 +51,43 @@ while (($#)); do
 done
 export NNODES=$nnodes NODE_RANK=$node_rank
 
+unwritable() {  # what, path, the failing command's message: one clear line instead of bash's own, exit 2
+  echo "launch.sh: cannot write the run folder $run_dir: $1 $2: ${3##*: } (job.run_dir must be a folder" \
+    "$(id -un) can write; fix its permissions or choose another run_dir)" >&2
+  exit 2
+}
+lock_fd=""
+take_job_lock() {  # the job lock (run_dir, lock_file), before anything in the run folder is touched; the processes
+  # inherit it (and the launch id). Held: by a running launch or a demo build (refused, exit 75, the holder named),
+  # or by the orphans of a launch that died (stopped, then the lock is ours).
+  local err rc
+  err=$(mkdir -p "$run_dir" 2>&1) || unwritable "cannot create" "$run_dir" "$err"
+  err=$( { : >>"$lock_file"; } 2>&1) || unwritable "cannot open the job lock" "$lock_file" "$err"
+  exec {lock_fd}>>"$lock_file"
+  if ! flock -n "$lock_fd"; then
+    "$PY" -m common.joblock reclaim "$run_dir" --node-rank "$node_rank" --grace "$grace" >&2
+    rc=$?
+    if ((rc == 75)) || ! flock -n "$lock_fd"; then
+      echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
+      "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
+      exit 75
+    fi
+  fi
+  DFLASH_LAUNCH_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+  export DFLASH_LAUNCH_ID DFLASH_SUPERVISOR_PID=$$  # the processes stop when this script dies (common/supervisor.py)
+  printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLASH_LAUNCH_ID" >"$lock_file"
+}
+
 demo=0
 if [[ -z $job ]]; then
   demo=1
   demo_dir=${DEMO_RUN_DIR:-$here/runs/demo}
+  if ((!dry)); then  # the lock first: a second demo launch never touches the assets this one builds or trains on
+    run_dir=$(realpath -m "$demo_dir") lock_file=$(realpath -m "$demo_dir")/job-n$node_rank.lock
+    take_job_lock
+  fi
   echo "launch.sh: no job given: preparing the embedded demo job (cached in $demo_dir)"
-  job=$("$PY" -m demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit 1
+  job=$("$PY" -m demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit $?
 fi
 
 plan_from() {  # the process list: derived from the job, or (tests' stand-in processes) read from a file
@@ -72,30 +103,9 @@ if ((dry)); then
   exit 0
 fi
 
-# The job lock, before anything in the run folder is touched; the processes inherit it (and the launch id).
 info=$("$PY" -m common.joblock info "$job" --node-rank "$node_rank") || exit 2
 IFS=$'\t' read -r run_dir lock_file ring_file <<<"$info"
-unwritable() {  # what, path, the failing command's message: one clear line instead of bash's own, exit 2
-  echo "launch.sh: cannot write the run folder $run_dir: $1 $2: ${3##*: } (job.run_dir must be a folder" \
-    "$(id -un) can write; fix its permissions or choose another run_dir)" >&2
-  exit 2
-}
-err=$(mkdir -p "$run_dir" 2>&1) || unwritable "cannot create" "$run_dir" "$err"
-err=$( { : >>"$lock_file"; } 2>&1) || unwritable "cannot open the job lock" "$lock_file" "$err"
-exec {lock_fd}>>"$lock_file"
-if ! flock -n "$lock_fd"; then
-  # held: by a running launch (refused), or by the orphans of one that died (stopped, then the lock is ours)
-  "$PY" -m common.joblock reclaim "$run_dir" --node-rank "$node_rank" --grace "$grace" >&2
-  rc=$?
-  if ((rc == 75)) || ! flock -n "$lock_fd"; then
-    echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
-    "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
-    exit 75
-  fi
-fi
-DFLASH_LAUNCH_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
-export DFLASH_LAUNCH_ID DFLASH_SUPERVISOR_PID=$$  # the processes stop when this script dies (common/supervisor.py)
-printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLASH_LAUNCH_ID" >"$lock_file"
+[[ -n $lock_fd ]] || take_job_lock  # the demo took it before building its assets
 err=$(mkdir -p "$run_dir/logs" 2>&1) || unwritable "cannot create" "$run_dir/logs" "$err"
 
 remove_job_files() {  # the ring and sockets: only while this script holds the job lock and none of its processes runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -245,7 +246,7 @@ class DrafterConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: Annotated[float, Field(gt=0)] = 1.0
     total_steps: Annotated[int, Field(ge=1)] = 10_000  # length of the lr schedule
-    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # gradient accumulation target; 0: one batch a step
+    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # accumulation target (0: a round a step); the last may be short
     replicas: Annotated[int, Field(ge=1, le=1024)] = 1
     devices: list[str] = Field(default_factory=list)  # one per replica; empty: every replica on "cpu"
     distributed: Literal["ddp", "fsdp"] = "ddp"
@@ -420,8 +421,19 @@ def _format_error(source: str, err: ValidationError) -> str:
             msg = "unknown key" + _nearest_key(e["loc"])
         elif e["type"] == "missing":
             msg = "required key is missing"
+        elif e["type"] == "literal_error":
+            msg = _unknown_value(e["input"], (e.get("ctx") or {}).get("expected", ""))
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
+
+
+def _unknown_value(value: Any, expected: str) -> str:
+    """A value an enumerated key does not take (a head, loss, optimizer ... this version does not know): the
+    value, the nearest valid name, and every valid one."""
+    names = re.findall(r"'([^']*)'", expected)
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown value {value!r}{hint}; this version knows: {', '.join(names)}"
 
 
 def _section_keys(loc: tuple) -> list[str]:

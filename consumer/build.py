@@ -22,7 +22,7 @@ from common.stats import StatsSink
 from common.storage import StorageError, check_room, check_writable
 from consumer.best_checkpoint import BestCheckpoint, settle_best
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, write_checkpoint
-from consumer.checkpoint_state import restore
+from consumer.checkpoint_state import restore, world_change
 from consumer.distributed import GroupEnv, ReplicaGroup, StepTrace
 from consumer.export.layout import trainer_export_config
 from consumer.fanin import FanIn
@@ -145,9 +145,13 @@ def load_training(
             trainer.step,
             list(cursor.cursors[env.node_rank]),
         )
+    changed = world_change(state, where, env.world_size, trainer.fsdp is not None)
+    if changed and group.is_writer:
+        log.info("%s", changed)
     group.broadcast_params(trainer.params)
     if group.world_size > 1:
         trainer.grad_sync = group.sum_grads
+        group.split_muon(trainer.optimizer)
         log.info(
             "%s is rank %d of %d (node %d of %d), group at %s:%d",
             name,

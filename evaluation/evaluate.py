@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -22,6 +21,7 @@ from consumer.dflash2 import DFlash2Drafter, DFlash2Proposer, DFlash2Shape
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.sliding_rule import served_rule
 from consumer.target_parts import load_target_parts
+from evaluation.drafter_folder import check_mask_token, check_state, load_weights, read_config
 from evaluation.side_by_side import first_difference
 from evaluation.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
 
@@ -52,18 +52,20 @@ def resolve_export_dir(path: str | Path) -> Path:
     path = Path(path)
     if (name := read_pointer(path)) is not None:
         path = path / name
-    for name in ("config.json", "model.safetensors"):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"drafter checkpoint {path}: no {name} (expected a DFlash export directory)")
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    for names in (("config.json",), weights):
+        if not any((path / name).is_file() for name in names):
+            raise FileNotFoundError(f"drafter checkpoint {path}: no {names[0]} (expected a DFlash export directory)")
     return path
 
 
 def load_drafter(
     ckpt: str | Path, target_path: str | Path, dtype: str = "float32", device: str = "cpu"
 ) -> DFlashProposer | DFlash2Proposer:
-    """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head."""
+    """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head.
+    The folder is checked first (evaluation/drafter_folder.py): a fault is one DrafterFolderError line."""
     path = resolve_export_dir(ckpt)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_config(path)
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
     if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
         raise ValueError(
@@ -102,7 +104,9 @@ def load_drafter(
             f"drafter {path} (hidden {arch.hidden_size}, vocab {cfg.get('vocab_size')}) does not fit the target"
             f" {target_path} (hidden {parts.hidden_size}, vocab {parts.vocab_size})"
         )
-    state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
+    check_mask_token(cfg, parts.vocab_size, path / "config.json", target_path)
+    found, weights_file = load_weights(path)
+    state = {k: v.to(DTYPES[dtype]) for k, v in found.items()}
     if archs == ["DFlash2DraftModel"]:  # greedy evaluation: the selector's walk (consumer/dflash2.py)
         try:
             shape = DFlash2Shape(
@@ -112,9 +116,11 @@ def load_drafter(
         except KeyError as err:
             raise KeyError(f"{path / 'config.json'}: required field dflash_config.{err.args[0]} is missing") from None
         model2 = DFlash2Drafter(arch, shape, parts.embed_tokens, parts.lm_head)
+        check_state(state, model2.state_dict(), weights_file, cfg)
         model2.load_state_dict(state, strict=True)
         return DFlash2Proposer(model2.to(device), mask_token_id, layer_ids)
     model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head)
+    check_state(state, model.state_dict(), weights_file, cfg)
     model.load_state_dict(state, strict=True)
     return DFlashProposer(model.to(device), block_size, mask_token_id, layer_ids)
 

@@ -20,7 +20,7 @@ from common.config import JobConfig
 from common.host_memory import keep_freed_memory
 from common.packed_batch import FIELDS, PackedBatch, required_slot_bytes, slot_items
 from common.profile import ProfileStats, timed
-from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
+from common.protocol import DATA_EXHAUSTED, Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.startup import StartupBeat
@@ -489,12 +489,12 @@ class ProducerService:
     def _end_group(self, drafter: str) -> None:
         for m in self.delivery.groups[drafter].live():
             if m.peer not in self._ended_peers:
-                self.channel.send(m.peer, End("data exhausted", self.delivery.total_batches - 1))
+                self.channel.send(m.peer, End(DATA_EXHAUSTED, self.delivery.total_batches - 1))
                 self._ended_peers.add(m.peer)
 
     def _finish(self) -> int:
         """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs."""
-        reason = self._stop_reason or "data exhausted"
+        reason = self._stop_reason or DATA_EXHAUSTED
         for m in list(self.delivery.by_peer.values()):
             if m.peer not in self._ended_peers:
                 self.channel.send(m.peer, End(reason, self.channel.last_seq))
