@@ -19,8 +19,8 @@ from common.config import DrafterConfig, JobConfig, dflash_layer_ids
 from common.profile import ProfileStats
 from common.startup import StartupBeat
 from common.stats import StatsSink
-from common.storage import StorageError, check_room
-from consumer.best_checkpoint import BestCheckpoint
+from common.storage import StorageError, check_room, check_writable
+from consumer.best_checkpoint import BestCheckpoint, settle_best
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, write_checkpoint
 from consumer.checkpoint_state import restore, world_change
 from consumer.copy_out import CopyOut, copy_out_rows
@@ -114,11 +114,14 @@ def load_training(
     warm_start_unless_resuming(trainer, ckpt_root)  # init_from: a published drafter's weights, unless resuming
     if cfg.distributed == "fsdp":
         group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
-    if group.is_writer:  # a read-only or full disk is a clear error now, not a lost checkpoint hours later
-        check_room(ckpt_root, checkpoint_bytes(trainer), f"drafter {cfg.name}'s checkpoint folder")
+    what = f"drafter {cfg.name}'s checkpoint folder"
+    if group.is_writer:  # a read-only disk is a clear error now, not a traceback at resume
+        check_writable(ckpt_root, what)
 
-    def latest():
-        ckpt = resume_checkpoint(ckpt_root)  # falls back past broken ones, saying so
+    def latest():  # on global rank 0, the writer
+        ckpt = resume_checkpoint(ckpt_root)  # falls back past broken ones, removes killed writes' leftovers
+        settle_best(ckpt_root, ckpt.path if ckpt else None)  # `best` checked as `latest` is
+        check_room(ckpt_root, checkpoint_bytes(trainer), what)  # a full disk: now, not a lost checkpoint later
         return None if ckpt is None else (str(ckpt.path), ckpt.state)
 
     resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
