@@ -224,7 +224,7 @@ class DrafterConfig(_Section):
     mask_token_id: int | None = None  # default: a spare vocab row or the tokenizer's mask/reserved token
     anchors_per_seq: Annotated[int, Field(ge=1)] = 512
     # the most anchors one batch trains on (a uniform cut of the per-sequence draws past it); None:
-    # data.tokens_per_batch // 4, at least anchors_per_seq (consumer.objective.anchor_budget)
+    # data.tokens_per_batch // 8, at least anchors_per_seq (consumer.objective.anchor_budget)
     anchors_per_batch: Annotated[int, Field(ge=1)] | None = None
     # the drafter's own RoPE (dflash.md §1), whatever the target's: base and an optional static scaling
     rope_theta: Annotated[float, Field(gt=0)] = 1e6
@@ -262,13 +262,29 @@ class DrafterConfig(_Section):
     init_from: Annotated[str, Field(min_length=1)] | None = None
     # DFlash2 (z-lab dflash/model.py; consumer/dflash2.py): grouped dynamic causal convolutions around each
     # sublayer and a candidate selector over the full vocabulary; the five keys below apply to it only
-    arch: Literal["dflash1", "dflash2"] = "dflash1"
+    arch: Literal["dflash1", "dflash2", "dspark"] = "dflash1"
     conv_kernel_size: Annotated[int, Field(ge=1, le=16)] = 2  # taps per convolution (block-local)
     conv_group_size: Annotated[int, Field(ge=1)] = 16  # channels sharing one dynamic tap; divides hidden_size
     selector_rank: Annotated[int, Field(ge=1)] = 256  # r of the codebooks [V, r] and hidden_projection H -> r
     selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
     # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
     selector_alpha: Annotated[float, Field(ge=0)] = 1.0
+    # DFlash2's optional serving keys (vLLM qwen3_dflash2.py, z-lab's configs): the unary logits the selector scores
+    # are softcap(output_multiplier · h·Wᵀ) (a target whose own logits are scaled and capped), and only ids below
+    # selector_vocab_size are candidates (the padded rows past the tokenizer never are). None: not set, or taken
+    # from init_from's DFlash2 config when it states them (consumer/warm_start.py)
+    output_multiplier: Annotated[float, Field(gt=0)] | None = None
+    final_logit_softcapping: Annotated[float, Field(gt=0)] | None = None
+    selector_vocab_size: Annotated[int, Field(ge=2)] | None = None
+    # DSpark (DeepSpec config/dspark/dspark_qwen3_8b.py; consumer/dspark.py): DFlash1's backbone, each slot
+    # predicting the token after its position (sample_from_anchor), plus a Markov head (markov_w2·markov_w1[prev]
+    # added to the logits) and a confidence head; its loss is ce·CE + l1·L1 + confidence·BCE over exp(-k/γ)
+    # slot weights (γ: `gamma`, default 4), normalised by Σw (`loss` and dpace_alpha do not apply)
+    markov_rank: Annotated[int, Field(ge=1)] = 256
+    confidence_with_markov: bool = True  # the confidence head reads [h ‖ markov_w1[prev]] (DeepSpec's default)
+    dspark_ce_alpha: Annotated[float, Field(ge=0)] = 0.1
+    dspark_l1_alpha: Annotated[float, Field(ge=0)] = 0.9
+    dspark_confidence_alpha: Annotated[float, Field(ge=0)] = 1.0
     # the training loss (docs/recipes.md): "dpace" (D-PACE, arXiv 2605.18810: per-block weights from the
     # drafter's own confidence, w_k = Σ_{j>=k} m_j·Π_{i<=j} ((1-α)·q_i + α), no gradient; the step divides
     # Σ w·CE by the number of valid anchors (anchors with a supervised slot) of the whole optimizer step,
@@ -332,6 +348,8 @@ class DrafterConfig(_Section):
         """The paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8; interpolated otherwise."""
         if self.gamma is not None:
             return self.gamma
+        if self.arch == "dspark":
+            return 4.0  # DeepSpec's loss_decay_gamma
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size * 7.0 / 16.0))
 
     @property

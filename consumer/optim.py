@@ -2,9 +2,9 @@
 
 `optimizer = "muon"` (speculators' split, recipes.md §4): Muon (consumer/muon.py: torch.optim.Muon's arithmetic,
 its Newton–Schulz split over the replicas) for every trainable 2-D matrix
-with min(shape) > 1 whose name holds none of `embed`, `lm_head`, `codebook` (the attention and MLP
+with min(shape) > 1 whose name holds none of `embed`, `lm_head`, `codebook`, `markov` (the attention and MLP
 projections, the `fc` fusion); AdamW for everything else (norm scales, biases, 1-D, degenerate and 3-D
-tensors, codebooks). The two step together as one optimizer (`MuonWithAdamW`) and share one schedule:
+tensors, codebooks, DSpark's Markov tables: a [V, r] embedding and a [V, r] vocabulary head). The two step together as one optimizer (`MuonWithAdamW`) and share one schedule:
 each optimizer's own LambdaLR with the same factor (`Schedules`).
 
 A non-finite step is skipped as fused AdamW skips it (`found_inf`, no device sync): Muon selects each
@@ -26,7 +26,7 @@ from torch import Tensor
 from common.config import DrafterConfig
 from consumer.muon import SplitMuon
 
-NOT_MUON = ("embed", "lm_head", "codebook")  # names routed to AdamW whatever their shape
+NOT_MUON = ("embed", "lm_head", "codebook", "markov")  # names routed to AdamW whatever their shape
 
 
 def is_muon_param(name: str, p: Tensor) -> bool:

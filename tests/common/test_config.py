@@ -81,13 +81,13 @@ def test_an_unknown_key_names_the_nearest_valid_one(tmp_path):
 def test_an_unknown_head_loss_optimizer_or_other_name_lists_the_valid_ones(tmp_path):
     """An enumerated key given a value this version does not know (a head, loss, optimizer from another version
     or trainer): one line per key with the value, the nearest valid name when one is close, and every valid one."""
-    text = MINIMAL.replace('name = "d0"', 'name = "d0"\narch = "dspark"\nloss = "ce"\noptimizer = "adam"')
+    text = MINIMAL.replace('name = "d0"', 'name = "d0"\narch = "lilicorr"\nloss = "ce"\noptimizer = "adam"')
     with pytest.raises(ConfigError) as err:
         load_job(write(tmp_path, text + "[transport]\nkind = 'tpu'\n"))
     lines = str(err.value).splitlines()
     assert lines[0] == f"{tmp_path / 'job.toml'}: invalid job file (4 error(s))"
     assert sorted(lines[1:]) == [
-        "  drafters.0.arch: unknown value 'dspark'; this version knows: dflash1, dflash2",
+        "  drafters.0.arch: unknown value 'lilicorr'; this version knows: dflash1, dflash2, dspark",
         "  drafters.0.loss: unknown value 'ce'; this version knows: dpace, decay",
         "  drafters.0.optimizer: unknown value 'adam' (did you mean 'adamw'?); this version knows: adamw, muon",
         "  transport.kind: unknown value 'tpu' (did you mean 'cpu'?); this version knows: auto, cpu, cuda",

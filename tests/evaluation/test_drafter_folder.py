@@ -227,7 +227,7 @@ def test_an_eagle3_folder_is_refused_by_its_architecture(assets, tmp_path, capsy
     rc = main(["--target", str(assets["target"]), "--drafter", str(folder), "--prompts", str(assets["prompts"])])
     assert rc == 2
     assert (
-        "architectures ['LlamaForCausalLMEagle3']: only DFlashDraftModel and DFlash2DraftModel"
+        "architectures ['LlamaForCausalLMEagle3']: only DFlashDraftModel, DFlash2DraftModel and Qwen3DSparkModel"
         in capsys.readouterr().err
     )
 
