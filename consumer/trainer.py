@@ -164,7 +164,7 @@ class Trainer:
             if self.use_flex
             else None
         )
-        self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha)
+        self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha, cfg.dpace_normaliser)
         self._build_optimizer()
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
@@ -321,14 +321,15 @@ class Trainer:
             (loss_sum * 0.0 if stand_in is not None else loss_sum).backward()  # a stand-in adds zero everywhere
         if stand_in is not None:
             return
-        normaliser = self.slot_loss.normaliser(weights)  # summed over the step's rounds and replicas
+        normaliser = self.slot_loss.normaliser(weights, batch.num_sequences)  # summed over the step's rounds, replicas
         self._pending_loss += loss_sum.detach()
         self._pending_weight += normaliser
         self.metrics.add(loss_sum, correct, weights, normaliser)
         if isinstance(self.model, DFlash2Drafter):
             self.selector_metrics.add(sel_stats)
         if self.prof:
-            self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
+            self.prof.count("anchors", batch.num_anchors)  # host counts (no sync)
+            self.prof.count("candidates", batch.num_candidates)
 
     def optimizer_step(self, seq: int) -> dict[str, float] | None:
         """Close the step whose last batch is `seq`; returns the metrics dict on log steps, else None.
@@ -344,7 +345,9 @@ class Trainer:
         return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
     def _optimizer_step(self, seq: int) -> None:
-        inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / the step's normaliser (Σw, anchors)
+        inv_weight = 1.0 / self._pending_weight.clamp_min(
+            1e-12
+        )  # Σ w·CE / the step's normaliser (Σw, anchors, sequences)
         grads = [p.grad for p in self.params]
         torch._foreach_mul_(grads, inv_weight)
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)

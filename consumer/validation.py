@@ -128,7 +128,7 @@ class Evaluator:
                 loss_sum, correct = chunked_lm_head_loss(
                     out, tr.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, tr.slot_loss
                 )
-            return loss_sum, correct, weights, tr.slot_loss.normaliser(weights)
+            return loss_sum, correct, weights, tr.slot_loss.normaliser(weights, batch.num_sequences)
 
 
 def candidate(result: PassResult) -> Candidate:
