@@ -224,7 +224,8 @@ class DrafterConfig(_Section):
     mask_token_id: int | None = None  # default: a spare vocab row or the tokenizer's mask/reserved token
     anchors_per_seq: Annotated[int, Field(ge=1)] = 512
     # the most anchors one batch trains on (a uniform cut of the per-sequence draws past it); None:
-    # data.tokens_per_batch // 4, at least anchors_per_seq (consumer.objective.anchor_budget)
+    # data.tokens_per_batch // 8, at least anchors_per_seq (consumer.objective.anchor_budget; docs/design.md
+    # has the demo A/B of // 8, // 4 and every candidate up to 512 a sequence)
     anchors_per_batch: Annotated[int, Field(ge=1)] | None = None
     # the drafter's own RoPE (dflash.md §1), whatever the target's: base and an optional static scaling
     rope_theta: Annotated[float, Field(gt=0)] = 1e6
