@@ -67,13 +67,18 @@ test-latest:   # the suite against the newest releases (.venv-latest), the lock 
 	@if grep -v '^#' $(LOCK) | diff -q - .venv-latest/freeze.txt >/dev/null; then \
 	  echo "make: the newest releases are the locked ones"; else grep -v '^#' $(LOCK) | diff - .venv-latest/freeze.txt \
 	  | grep '^[<>]' | sed 's/^</locked:/; s/^>/latest:/'; fi
-	.venv-latest/bin/python -m pytest -q
+	.venv-latest/bin/python -m pytest -q $(XDIST)
+
+# pytest-xdist: one worker a core, a test file's tests on one worker (its module fixtures built once), the
+# longest files first (tests/durations.json; tests/conftest.py orders them). `make test PYTEST_N=0` runs serially.
+PYTEST_N ?= auto
+XDIST := $(if $(filter 0,$(PYTEST_N)),,-n $(PYTEST_N) --dist loadfile --no-loadscope-reorder)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
-test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+test-fast: install   # the inner loop: the suite without the slow integration tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 bench: install
 	$(PY) -m bench.all

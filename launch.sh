@@ -7,12 +7,13 @@
 #                                            memory peak (--device-memory GIB: the size of GPUs NVML cannot
 #                                            report; --target-config DIR: the target's config.json elsewhere),
 #                                            then each stage's time per batch, the bottleneck and samples/s
-#                                            (--device h100|h200, --sample-tokens N: the samples' mean length)
+#                                            (--device h100|h200, --sample-tokens N); exit 3 when a GPU does not fit
 #   options: --grace SECONDS (default 60)    how long a stop (SIGINT/SIGTERM/SIGHUP) waits for checkpoints before SIGKILL
 #            --nnodes N --node-rank R --master-addr HOST --master-port PORT   (multi-node; or torchrun's env)
 #   env:     PYTHON (default .venv/bin/python); DEMO_RUN_DIR (default runs/demo); DEMO_QUICK=1 (seconds-long demo)
 #
-# One log per process in <run_dir>/logs/. SIGINT/SIGTERM/SIGHUP stop the group gracefully (consumers
+# One log per process in <run_dir>/logs/ (written through common/log_tee.py, which keeps each process's last lines
+# off the run folder's disk, so a process that fails on a full disk still shows why). SIGINT/SIGTERM/SIGHUP stop the group gracefully (consumers
 # checkpoint at a step boundary, then exit 0; this script exits 0 when every process did). When a critical
 # process (producer, consumer) fails, the rest is torn down and this script exits with its status.
 # Telemetry is not critical: restarted if it crashes (exit 0: it was told to stop). If this script dies
@@ -42,7 +43,7 @@ while (($#)); do
     --node-rank) node_rank=$2; shift ;;
     --master-addr) export MASTER_ADDR=$2; shift ;;
     --master-port) export MASTER_PORT=$2; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "launch.sh: unknown option $1" >&2; exit 2 ;;
     *) job=$1 ;;
   esac
@@ -50,12 +51,43 @@ while (($#)); do
 done
 export NNODES=$nnodes NODE_RANK=$node_rank
 
+unwritable() {  # what, path, the failing command's message: one clear line instead of bash's own, exit 2
+  echo "launch.sh: cannot write the run folder $run_dir: $1 $2: ${3##*: } (job.run_dir must be a folder" \
+    "$(id -un) can write; fix its permissions or choose another run_dir)" >&2
+  exit 2
+}
+lock_fd=""
+take_job_lock() {  # the job lock (run_dir, lock_file), before anything in the run folder is touched; the processes
+  # inherit it (and the launch id). Held: by a running launch or a demo build (refused, exit 75, the holder named),
+  # or by the orphans of a launch that died (stopped, then the lock is ours).
+  local err rc
+  err=$(mkdir -p "$run_dir" 2>&1) || unwritable "cannot create" "$run_dir" "$err"
+  err=$( { : >>"$lock_file"; } 2>&1) || unwritable "cannot open the job lock" "$lock_file" "$err"
+  exec {lock_fd}>>"$lock_file"
+  if ! flock -n "$lock_fd"; then
+    "$PY" -m common.joblock reclaim "$run_dir" --node-rank "$node_rank" --grace "$grace" >&2
+    rc=$?
+    if ((rc == 75)) || ! flock -n "$lock_fd"; then
+      echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
+      "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
+      exit 75
+    fi
+  fi
+  DFLASH_LAUNCH_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+  export DFLASH_LAUNCH_ID DFLASH_SUPERVISOR_PID=$$  # the processes stop when this script dies (common/supervisor.py)
+  printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLASH_LAUNCH_ID" >"$lock_file"
+}
+
 demo=0
 if [[ -z $job ]]; then
   demo=1
   demo_dir=${DEMO_RUN_DIR:-$here/runs/demo}
+  if ((!dry)); then  # the lock first: a second demo launch never touches the assets this one builds or trains on
+    run_dir=$(realpath -m "$demo_dir") lock_file=$(realpath -m "$demo_dir")/job-n$node_rank.lock
+    take_job_lock
+  fi
   echo "launch.sh: no job given: preparing the embedded demo job (cached in $demo_dir)"
-  job=$("$PY" -m demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit 1
+  job=$("$PY" -m demo prepare "$demo_dir" ${DEMO_QUICK:+--quick}) || exit $?
 fi
 
 plan_from() {  # the process list: derived from the job, or (tests' stand-in processes) read from a file
@@ -67,34 +99,15 @@ if ((dry)); then
   printf '%s\n' "$plan" | while IFS=$'\t' read -r name critical log cmd; do
     printf '%-24s critical=%s log=%s\n    %s\n' "$name" "$critical" "$log" "$cmd"
   done
-  [[ -z ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && { echo; "$PY" -m common.launch_plan "$job" --device-map --memory "${memory_opts[@]}" --node-rank "$node_rank" --nnodes "$nnodes"; }
-  exit 0
+  [[ -n ${DFLASH_LAUNCH_PLAN_FILE:-} ]] && exit 0
+  echo
+  "$PY" -m common.launch_plan "$job" --device-map --memory "${memory_opts[@]}" --node-rank "$node_rank" --nnodes "$nnodes"
+  exit $?  # 3: a device is planned over its memory
 fi
 
-# The job lock, before anything in the run folder is touched; the processes inherit it (and the launch id).
 info=$("$PY" -m common.joblock info "$job" --node-rank "$node_rank") || exit 2
 IFS=$'\t' read -r run_dir lock_file ring_file <<<"$info"
-unwritable() {  # what, path, the failing command's message: one clear line instead of bash's own, exit 2
-  echo "launch.sh: cannot write the run folder $run_dir: $1 $2: ${3##*: } (job.run_dir must be a folder" \
-    "$(id -un) can write; fix its permissions or choose another run_dir)" >&2
-  exit 2
-}
-err=$(mkdir -p "$run_dir" 2>&1) || unwritable "cannot create" "$run_dir" "$err"
-err=$( { : >>"$lock_file"; } 2>&1) || unwritable "cannot open the job lock" "$lock_file" "$err"
-exec {lock_fd}>>"$lock_file"
-if ! flock -n "$lock_fd"; then
-  # held: by a running launch (refused), or by the orphans of one that died (stopped, then the lock is ours)
-  "$PY" -m common.joblock reclaim "$run_dir" --node-rank "$node_rank" --grace "$grace" >&2
-  rc=$?
-  if ((rc == 75)) || ! flock -n "$lock_fd"; then
-    echo "launch.sh: $run_dir is in use by a running launch of this job; not starting a second one. Holder(s):" >&2
-    "$PY" -m common.joblock holders "$run_dir" --node-rank "$node_rank" | sed 's/^/    /' >&2
-    exit 75
-  fi
-fi
-DFLASH_LAUNCH_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
-export DFLASH_LAUNCH_ID DFLASH_SUPERVISOR_PID=$$  # the processes stop when this script dies (common/supervisor.py)
-printf 'pid=%s start=%s launch=%s\n' "$$" "$(date +%Y-%m-%dT%H:%M:%S%z)" "$DFLASH_LAUNCH_ID" >"$lock_file"
+[[ -n $lock_fd ]] || take_job_lock  # the demo took it before building its assets
 err=$(mkdir -p "$run_dir/logs" 2>&1) || unwritable "cannot create" "$run_dir/logs" "$err"
 
 remove_job_files() {  # the ring and sockets: only while this script holds the job lock and none of its processes runs
@@ -110,6 +123,7 @@ cleanup() {  # every way out of this script passes here (an untrapped signal too
     stop_all
   fi
   alive || remove_job_files
+  [[ -n $tail_dir ]] && rm -rf "$tail_dir"
 }
 remove_job_files  # left by an earlier launch that was killed: the job lock says none of its processes runs
 pids=()
@@ -121,15 +135,28 @@ n_training=$(printf '%s\n' "$plan" | grep -vc '^telemetry')
 threads=$(( $(nproc) / (n_training > 0 ? n_training : 1) ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 
-declare -A name_of=() cmd_of=() log_of=() critical_of=() offset_of=()
+declare -A name_of=() cmd_of=() log_of=() critical_of=() offset_of=() tail_of=() tee_of=()
 declare -a pids=()  # started and not yet collected by `wait`: the only list the supervision trusts
 exec {idle_fd}<> <(:)  # a pipe nobody writes: `read -t` on it pauses without a fork (closed in the processes)
+# Each process writes into a pipe to common/log_tee.py, which appends to its log and keeps its last lines in
+# tail_dir, off the run folder's disk: a process that fails because that disk is full still shows why.
+tail_dir=$(mktemp -d "${XDG_RUNTIME_DIR:-/dev/shm}/dflash-tails.XXXXXX" 2>/dev/null || mktemp -d 2>/dev/null) || tail_dir=""
+started=0
 start() {  # name critical log cmd
-  local offset
+  local offset tail="" tee_pid="" tee_fd
   offset=$(stat -c %s "$3" 2>/dev/null || echo 0)  # this launch's part of the log starts here
-  ( eval "exec $4" ) >>"$3" 2>&1 {idle_fd}>&- &
+  if [[ -n $tail_dir ]]; then
+    tail="$tail_dir/$((started += 1)).$1"
+    exec {tee_fd}> >(exec "$PY" -I -S "$here/common/log_tee.py" "$3" "$tail" {idle_fd}>&- {lock_fd}>&-)
+    tee_pid=$!
+    ( eval "exec $4" ) >&"$tee_fd" 2>&1 {idle_fd}>&- {tee_fd}>&- &
+    exec {tee_fd}>&-  # the process holds the pipe alone: its end is the tee's end
+  else
+    ( eval "exec $4" ) >>"$3" 2>&1 {idle_fd}>&- &
+  fi
   local pid=$!
   name_of[$pid]=$1 critical_of[$pid]=$2 log_of[$pid]=$3 cmd_of[$pid]=$4 offset_of[$pid]=$offset
+  tail_of[$pid]=$tail tee_of[$pid]=$tee_pid
   pids+=("$pid")
   printf 'launch.sh: started %-24s pid %-7s log %s\n' "$1" "$pid" "$3"
 }
@@ -158,8 +185,24 @@ reap() {
   pids=("${out[@]}")
 }
 alive() { local p; for p in "${pids[@]}"; do gone "$p" || return 0; done; return 1; }
-own_tail() {  # the last lines this launch's process wrote to its log (an earlier run's lines are not its reason)
-  tail -c +"$((offset_of[$1] + 1))" "${log_of[$1]}" 2>/dev/null | tail -n 5 | sed 's/^/    /' >&2
+own_tail() {  # the last lines this launch's process wrote (an earlier run's lines are not its reason); a full disk named
+  local t=${tail_of[$1]} i
+  if [[ -n $t ]]; then
+    for ((i = 0; i < 30; i++)); do gone "${tee_of[$1]}" && break; pause 0.1; done  # its last lines are in
+  fi
+  if [[ -n $t && -f $t ]]; then
+    tail -n 5 "$t" | sed 's/^/    /' >&2
+    [[ -f $t.lost ]] && sed 's/^/    (/; s/$/)/' "$t.lost" >&2
+  else
+    tail -c +"$((offset_of[$1] + 1))" "${log_of[$1]}" 2>/dev/null | tail -n 5 | sed 's/^/    /' >&2
+  fi
+  if cat "$t" "$t.lost" 2>/dev/null | grep -qiE 'no space left on device|errno 28|os error 28|ENOSPC|disk quota exceeded'; then
+    local free mount
+    read -r free mount < <(df -P -k "$run_dir" 2>/dev/null | awk 'NR == 2 { print $4, $6 }')
+    echo "launch.sh: ${name_of[$1]} failed on a full disk: $run_dir is on ${mount:-?}," \
+      "$(( ${free:-0} / 1024 )) MiB free now. Free space there, then run the same command again: it resumes" \
+      "from the last intact checkpoint" >&2
+  fi
 }
 
 stop_all() {  # [report]: SIGTERM to every process, each collected as it exits, SIGKILL to what outlives the grace period

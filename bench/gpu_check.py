@@ -19,7 +19,7 @@ Stages (bench/gpu_check_stages.py; each under its budget, each reported even whe
             batches, tokens/s over the later ones (never seen by the warm-up).
   consumer  one drafter of the published Qwen3-8B drafter shape (5 layers, block 16): train_batch on the same
             plan, random features; tokens/s on unseen batches; the NVML sampler on / off step-time ratio.
-            Both: Dynamo's own counters (frames, graphs, recompiles) and compile seconds apart from run seconds.
+            Both: Dynamo's own counters (frames, graphs: a graph in the timed batches is a recompile) and compile seconds apart from run seconds.
   pipeline  the real processes (telemetry with NVML, producer, two consumers) on the 6-layer checkpoint:
             tokens/s per drafter over telemetry's windows, NVML memory peak; then SIGKILL: no checkpoint.
   export    a one-layer drafter trained two steps, exported (weights + config only), reloaded with
@@ -217,8 +217,8 @@ def render_table(results: dict) -> str:
         ("GPU memory peak, consumer (torch allocator)", get("consumer", "gpu_mem_peak_gib", " GiB")),
         ("GPU memory peak, pipeline (NVML, all processes)", get("pipeline", "gpu_mem_peak_gib", " GiB")),
         ("step time with NVML sampler on / off", get("consumer", "nvml_on_over_off_step_time")),
-        ("Dynamo recompiles in the timed (unseen) batches, producer", get("producer", "recompiles_in_timed_batches")),
-        ("Dynamo recompiles in the timed (unseen) batches, consumer", get("consumer", "recompiles_in_timed_batches")),
+        ("Dynamo graphs compiled in the timed (unseen) batches, producer", get("producer", "graphs_in_timed_batches")),
+        ("Dynamo graphs compiled in the timed (unseen) batches, consumer", get("consumer", "graphs_in_timed_batches")),
         ("compile s / run s, producer", split("producer")),
         ("compile s / run s, consumer", split("consumer")),
         ("compile s / run s, pipeline (start to first window / measured)", split("pipeline")),

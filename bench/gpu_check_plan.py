@@ -28,15 +28,15 @@ H200_GIB = 139.7  # what NVML reports for one H200
 CONTEXT_GIB = 0.5  # common.memory_plan.CUDA_CONTEXT_BYTES
 
 # tokens per batch → planned GiB (Muon's state). The producer and consumer stages share one job (the same
-# batches); the pipeline runs the target and two drafters on one GPU: 16,384 tokens plan 125.9 GiB there,
-# 90 % of an H200, which is why its largest shape is 12,288
+# batches); the pipeline runs the target and two drafters on one GPU: its largest shape, 12,288, was chosen
+# when 16,384 tokens planned 125.9 GiB there (90 % of an H200; 108.1 GiB since issue 34's bf16 norms)
 STAGE_SHAPES = {
-    16384: {"producer": 16.0, "consumer": 55.1},
-    8192: {"producer": 15.0, "consumer": 33.8},
-    4096: {"producer": 14.4, "consumer": 23.4},
+    16384: {"producer": 16.0, "consumer": 50.1},
+    8192: {"producer": 15.0, "consumer": 31.3},
+    4096: {"producer": 14.4, "consumer": 22.1},
 }
-PIPELINE_SHAPES = {12288: 95.7, 8192: 73.4, 7168: 67.8, 4096: 51.6}
-FIXED_GIB = {"ipc": 2 * CONTEXT_GIB, "memory": CONTEXT_GIB, "assets": 5.0, "export": 8.5}
+PIPELINE_SHAPES = {12288: 88.3, 8192: 68.4, 7168: 63.4, 4096: 49.0}
+FIXED_GIB = {"ipc": 2 * CONTEXT_GIB, "memory": CONTEXT_GIB, "assets": 5.0, "export": 8.1}
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Sizing:
 
 def size_for(device_gib: float) -> Sizing:
     """The largest planned shapes within WARN_FRACTION of `device_gib`: 139.7 (an H200) gives 16,384 tokens for
-    the producer and consumer stages and 12,288 for the pipeline; 79 (an H100) keeps 16,384 and 7,168."""
+    the producer and consumer stages and 12,288 for the pipeline; 79 (an H100) keeps 16,384 and 8,192."""
     usable = WARN_FRACTION * device_gib
     stage = [t for t, g in STAGE_SHAPES.items() if max(g.values()) <= usable]
     pipe = [t for t, g in PIPELINE_SHAPES.items() if g <= usable]

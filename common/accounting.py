@@ -15,6 +15,8 @@ Records (JSON objects, one a line, every one with "kind" and "t" = time.time()):
                           trained_above
               saved       drafter, id (or null on a replica that does not write), step
               evaluation  drafter, rank, lineage, pass, step, samples [ids evaluated], tau (one whole pass)
+              end         drafter, rank, reason, status, step, finished (the process ends; finished: every
+                          replica's stream ended on "data exhausted", the whole plan delivered to the group)
 The plan record's "validation" (null without data.validation) describes the held-out records
 (producer/validation.py `HeldOut.plan_record`): source, the held-out ids of a split, one pass's sample count
 and digest. They are never in a batch record; the checker audits the passes on their own.
@@ -42,8 +44,10 @@ such seq was trained again, once, in the lineage.
 
 When a record is durable: every record is one os.write (O_APPEND) as it is made, so a process killed at
 any moment (SIGKILL included) leaves every record it made in the page cache; a torn last line is the only
-loss, and the checker skips it. The producer writes a batch's record *before* it sends the BATCH: no
-consumer can train a batch the log does not show as delivered. (An earlier version buffered a second of
+loss. A full disk can tear a record too: the log then closes, so the torn record stays its file's last.
+Readers (`read_job_log`: the checker; `plan_records`: a producer's start) skip a torn last record and say
+so; a line that is no record anywhere else is damage, an error. The producer writes a batch's record
+*before* it sends the BATCH: no consumer can train a batch the log does not show as delivered. (An earlier version buffered a second of
 records in memory; a SIGKILLed producer took the deliveries of its last second with it, and the checker
 then found their samples missing from the epoch. A machine crash can still lose what the page cache held:
 the consumers' checkpoints are lost with it too, so the lineage stays consistent.)
@@ -55,12 +59,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ACCOUNTING_DIR = "accounting"
 DEFAULT_LINEAGE = "main"  # the lineage of records and checkpoints that name none
@@ -85,20 +92,60 @@ class JobLog:
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.path = folder / f"{role}-{name}-{self.incarnation}.jsonl"
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._closed_why = ""
 
     def write(self, kind: str, fields: dict[str, Any]) -> None:
-        """Append one record; it survives a kill of this process the moment this returns."""
-        if self._fd is None:
-            raise ValueError(f"{self.path}: the job log is closed")
-        data = (json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":")) + "\n").encode()
-        written = os.write(self._fd, data)
-        if written != len(data):  # a short append (disk full mid-write): finish it or raise
-            os.write(self._fd, data[written:])
+        """Append one record; it survives a kill of this process the moment this returns.
 
-    def close(self) -> None:
+        A write that fails (a full disk) may leave its record torn mid-line; the log is closed then, so the
+        torn record stays the file's last, which readers accept (`read_job_log`), and every later write raises
+        OSError rather than append after it."""
+        if self._fd is None:
+            raise OSError(f"{self.path}: the job log is closed ({self._closed_why})")
+        data = (json.dumps({"kind": kind, "t": time.time(), **fields}, separators=(",", ":")) + "\n").encode()
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):  # a short append (disk full mid-write): finish it or raise
+                os.write(self._fd, data[written:])
+        except OSError as err:
+            self.close(f"a write failed: {err.strerror or err}")
+            raise
+
+    def close(self, why: str = "closed by its process") -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            self._closed_why = why
+
+
+def read_job_log(path: Path) -> tuple[list[dict], bool]:
+    """(the records of one job-log file, whether its last record is torn). A torn record is a last line without
+    its newline that is no JSON object (a kill or a full disk cut its one write short): it is skipped and every
+    complete record before it is kept. Any other line that is no JSON object is damage: ValueError naming it."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with its last record's newline
+    records = []
+    for i, line in enumerate(lines, 1):
+        rec = _record(line)
+        if rec is None:
+            raise ValueError(f"{path}:{i}: not a JSON record: {line[:120]!r}")
+        records.append(rec)
+    if not tail:
+        return records, False
+    rec = _record(tail)
+    if rec is None:
+        return records, True
+    records.append(rec)  # a whole record whose newline alone is missing
+    return records, False
+
+
+def _record(line: bytes) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 class DeliveryLedger:
@@ -176,16 +223,22 @@ class DeliveryLedger:
 
 def plan_records(run_dir: str | Path, node: int) -> list[dict]:
     """The plan records this node's producer incarnations logged in `run_dir` (each file's first line), oldest
-    first; files without a whole first line (a producer killed at once) are skipped."""
+    first. A file whose last record is torn (a kill or a full disk) is said in one line; one without a whole
+    first line (its plan record torn) holds nothing else and is skipped."""
     found = []
     for path in (Path(run_dir) / ACCOUNTING_DIR).glob(f"producer-n{node}-*.jsonl"):
         with open(path, "rb") as f:
             first = f.readline()
-        try:
-            rec = json.loads(first)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("kind") == "plan" and rec.get("node") == node:
+            f.seek(0, os.SEEK_END)
+            torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+        rec = _record(first) if first.endswith(b"\n") else None
+        if torn:
+            log.warning(
+                "%s: its last record is torn (cut mid-line by a kill or a full disk); %s",
+                path,
+                "the complete records before it stand" if rec is not None else "it held no whole record: skipped",
+            )
+        if rec is not None and rec.get("kind") == "plan" and rec.get("node") == node:
             found.append(rec)
     return sorted(found, key=lambda r: r["t"])
 
@@ -326,6 +379,21 @@ class TrainLedger:
         if self._attempt is not None:
             self.parent, self._attempt, self._pending = self._attempt, None, {}
         self.log.write("saved", {"drafter": self.drafter, "rank": self.rank, "id": self.parent, "step": step})
+
+    def ended(self, reason: str, status: int, step: int, *, finished: bool) -> None:
+        """The process ends with exit `status` for `reason`; `finished`: the whole plan was delivered to the
+        group (the checker then wants every batch of it trained)."""
+        self.log.write(
+            "end",
+            {
+                "drafter": self.drafter,
+                "rank": self.rank,
+                "reason": reason,
+                "status": status,
+                "step": step,
+                "finished": finished,
+            },
+        )
 
     def close(self) -> None:
         self.log.close()

@@ -1,8 +1,10 @@
 """Check a run's job log (common/accounting.py): did each drafter train every sample once?
 
     python -m common.accounting_check RUN_DIR [--logs-from OTHER_RUN_DIR ...] [--json]
-        exit 0 when every drafter's lineage is exact; a multi-node job without a shared run folder passes
-        the other nodes' run folders with --logs-from (their producers' logs; checkpoints are node 0's)
+        exit 0 when every drafter's lineage is exact, 1 when one is not, 2 (one line) when a folder given is
+        missing, a file, or holds no job log: an audit of nothing is no pass. A multi-node job without a
+        shared run folder passes the other nodes' run folders with --logs-from (their producers' logs;
+        checkpoints are node 0's)
 
 For each drafter: start from the checkpoint `latest` points at, read the ledger id it carries, walk the
 chain of checkpoint records back to a fresh start and collect the seqs trained along it. Then:
@@ -14,7 +16,12 @@ chain of checkpoint records back to a fresh start and collect the seqs trained a
   - crash losses: steps that crashed incarnations trained after their last checkpoint; each must be in the
     lineage exactly once (trained again after resume);
   - the held-out records (data.validation), audited on their own (common/accounting_validation.py): never
-    in a training batch, every record once in each evaluation pass.
+    in a training batch, every record once in each evaluation pass;
+  - a finished job is complete: when the process that wrote the final checkpoint ended with the whole plan
+    delivered to its group (its "end" record), every batch of the plan is in the lineage; the seqs that are
+    not are named;
+  - every drafter the run folder's job.toml names has records in the job log.
+A job-log file whose last record is torn (a kill or a full disk) is read up to it and named on a "note:" line.
 Data lineages (common/accounting.py): the chain is cut where its checkpoint records change lineage, and each
 part is checked as above against its own lineage's plan and deliveries. A node's plan records of one lineage
 must agree on every input but `epochs`, and epoch by epoch on the epochs they share: a plan that grew by
@@ -26,15 +33,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tomllib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from common.accounting import ACCOUNTING_DIR, DEFAULT_LINEAGE, ledger_id_of, per_node, sample_digest
+from common.accounting import (
+    ACCOUNTING_DIR,
+    DEFAULT_LINEAGE,
+    ledger_id_of,
+    per_node,
+    read_job_log,
+    sample_digest,
+)
 from common.accounting_validation import ValidationReport, check_validation
 from common.checkpoint_pointer import read_pointer
+from common.run_paths import RunPaths
 
 STATE_FILE = "trainer_state.pt"
 
@@ -80,6 +96,7 @@ class DrafterReport:
     epochs_complete: int = 0  # epochs whose every seq is in the lineage: checked against the plan's sample set
     epochs_mismatched: int = 0
     complete: bool = False  # the lineage reaches the end of the plan on every node
+    finished: bool = False  # the process that wrote the final checkpoint ended with the whole plan delivered
     crash_lost_batches: int = 0  # trained by incarnations after their last checkpoint, lost with them
     crash_lost_retrained: int = 0  # of those, trained (once) in the final lineage
     lineages: list[LineageReport] = field(default_factory=list)  # the data lineages of the chain, oldest first
@@ -104,8 +121,9 @@ class DrafterReport:
 class AccountingReport:
     drafters: dict[str, DrafterReport]
     records: int
-    torn_lines: int  # a last line cut short by a kill: skipped
+    torn_lines: int  # a last record cut short by a kill or a full disk: skipped
     errors: list[str] = field(default_factory=list)
+    torn_files: list[str] = field(default_factory=list)  # the job-log files that end in a torn record
 
     @property
     def ok(self) -> bool:
@@ -124,6 +142,7 @@ class AccountingReport:
             "ok": self.ok,
             "records": self.records,
             "torn_lines": self.torn_lines,
+            "torn_files": self.torn_files,
             "errors": self.errors,
             "duplicates": self.duplicates,
             "lost_samples": self.lost_samples,
@@ -131,24 +150,44 @@ class AccountingReport:
         }
 
 
-def read_records(run_dirs: list[Path]) -> tuple[list[dict], int]:
-    """Every record of every incarnation, each tagged with its file ("src"); torn last lines are counted."""
-    records, torn = [], 0
+def read_records(run_dirs: list[Path]) -> tuple[list[dict], list[str]]:
+    """Every record of every incarnation, each tagged with its file ("src"), and the files whose last record is
+    torn (skipped: common/accounting.py `read_job_log`)."""
+    records, torn = [], []
     for path in sorted(p for d in run_dirs for p in (d / ACCOUNTING_DIR).glob("*.jsonl")):
-        lines = path.read_text().split("\n")
-        for i, line in enumerate(lines):
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                if i >= len(lines) - 2:  # the last line of a file whose writer was killed mid-write
-                    torn += 1
-                    continue
-                raise ValueError(f"{path}:{i + 1}: not a JSON record: {line[:120]!r}") from None
+        recs, cut = read_job_log(path)
+        for rec in recs:
             rec["src"] = path.name
-            records.append(rec)
+        records.extend(recs)
+        if cut:
+            torn.append(path.name)
     return records, torn
+
+
+class NotARun(ValueError):
+    """The path given is no run folder with a job log: nothing to check, which is no pass."""
+
+
+def check_folder(path: Path) -> None:
+    """NotARun unless `path` is a folder holding a job log (accounting/*.jsonl)."""
+    if not path.exists():
+        raise NotARun(f"{path}: no such folder (name the job's run folder, job.run_dir)")
+    if not path.is_dir():
+        raise NotARun(f"{path}: not a folder (name the job's run folder, job.run_dir)")
+    if not any((path / ACCOUNTING_DIR).glob("*.jsonl")):
+        raise NotARun(f"{path}: no job log ({ACCOUNTING_DIR}/*.jsonl): not a run folder, or a job that never started")
+
+
+def job_drafters(run_dir: Path) -> list[str]:
+    """The drafters the run folder's job file (job.toml, the producer's copy) names; [] without one."""
+    path = RunPaths(run_dir).job_copy
+    if not path.is_file():
+        return []
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a readable job file: {err}") from None
+    return [d["name"] for d in doc.get("drafters", []) if isinstance(d, dict) and isinstance(d.get("name"), str)]
 
 
 def final_ledger_id(ckpt_root: Path) -> tuple[str | None, int, str | None]:
@@ -163,15 +202,22 @@ def final_ledger_id(ckpt_root: Path) -> tuple[str | None, int, str | None]:
 def check_run(run_dir: str | Path, logs_from: list[str | Path] = ()) -> AccountingReport:
     """Check the run in `run_dir` (its checkpoints and job log), adding the job logs found in `logs_from`."""
     run_dir = Path(run_dir)
-    records, torn = read_records([run_dir, *map(Path, logs_from)])
-    report = AccountingReport({}, len(records), torn)
+    dirs = [run_dir, *map(Path, logs_from)]
+    for d in dirs:
+        check_folder(d)
+    records, torn = read_records(dirs)
+    report = AccountingReport({}, len(records), len(torn), torn_files=torn)
     plans = _plans(records, report.errors)
     deliveries = _deliveries(records, report.errors)
-    drafters = sorted(
-        {r["drafter"] for r in records if r["kind"] in ("start", "checkpoint")}
-        | {p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir()}
-    )
+    logged = {r["drafter"] for r in records if r["kind"] in ("start", "checkpoint")}
+    named = job_drafters(run_dir)
+    drafters = sorted(logged | set(named) | {p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir()})
     for drafter in drafters:
+        if drafter not in logged and drafter in named:  # never started, or its log was lost: nothing proves it
+            report.drafters[drafter] = DrafterReport(
+                drafter, errors=["the job (job.toml) names this drafter, but the job log has no record of it"]
+            )
+            continue
         report.drafters[drafter] = _check_drafter(run_dir, drafter, records, plans, deliveries)
         report.drafters[drafter].validation = check_validation(drafter, records)
     return report
@@ -274,8 +320,9 @@ def _check_drafter(
         else:
             parts.append((_lineage(rec), [rec]))
     in_chain: Counter = Counter()
+    node_seqs: dict[int, list[int]] = {}
     for name, recs in parts:
-        node_seqs: dict[int, list[int]] = defaultdict(list)
+        node_seqs = defaultdict(list)
         for rec in recs:
             for node, seqs in rec["trained"].items():
                 node_seqs[int(node)].extend(seqs)
@@ -294,7 +341,44 @@ def _check_drafter(
         in_chain.update((name, s) for seqs in node_seqs.values() for s in seqs)
     rep.complete = bool(rep.lineages) and rep.lineages[-1].complete
     _check_crash_losses(rep, mine, in_chain)
+    if chain:
+        _check_finished(rep, mine, chain[0], node_seqs, plans)
     return rep
+
+
+def _check_finished(
+    rep: DrafterReport, mine: list[dict], final: dict, node_seqs: dict[int, list[int]], plans: dict
+) -> None:
+    """A job is finished when the process that wrote the final checkpoint record ended with the whole plan
+    delivered to its group (its "end" record): then its lineage must be complete, every batch of the plan
+    trained (`node_seqs`: the last lineage part's seqs per node); what is not is named."""
+    rep.finished = any(r["kind"] == "end" and r["src"] == final["src"] and r.get("finished") for r in mine)
+    if not rep.finished or rep.complete:
+        return
+    name = _lineage(final)
+    for node in sorted(_final_cursors(final)):
+        plan = plans.get((name, node))
+        if plan is None:
+            continue  # said already: no plan record
+        trained = set(node_seqs.get(node, ()))
+        left = [s for s in range(plan["latest_total"]) if s not in trained]
+        if left:
+            rep.errors.append(
+                f"node {node}: the job finished (the producer delivered the whole plan) but {final['id']} holds"
+                f" {len(trained)} of its {plan['latest_total']} batches: seq(s) {_span(left)} never trained"
+            )
+
+
+def _span(seqs: list[int]) -> str:
+    """Sorted seqs as short ranges: 3, 5-9, 12."""
+    out, start = [], None
+    for i, s in enumerate(seqs):
+        if start is None:
+            start = s
+        if i + 1 == len(seqs) or seqs[i + 1] != s + 1:
+            out.append(f"{start}" if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(out[:8]) + (f", ... ({len(out) - 8} more ranges)" if len(out) > 8 else "")
 
 
 def _final_cursors(record: dict) -> dict[int, tuple[int, ...]]:
@@ -374,12 +458,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         report = check_run(args.run_dir, args.logs_from)
+    except NotARun as err:  # nothing to check is no pass
+        return _refuse(str(err), args.json)
     except (OSError, ValueError) as err:
-        print(f"{args.run_dir}: {err}", file=sys.stderr)
-        return 2
+        return _refuse(f"{args.run_dir}: {err}", args.json)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
+        for name in report.torn_files:
+            print(
+                f"note: {ACCOUNTING_DIR}/{name}: its last record is torn (cut mid-line by a kill or a full disk)"
+                " and skipped; every complete record before it is read"
+            )
         for d in report.drafters.values():
             state = "ok" if d.ok else "FAILED"
             print(
@@ -402,6 +492,15 @@ def main(argv: list[str] | None = None) -> int:
         for e in report.errors:
             print(f"error: {e}")
     return 0 if report.ok else 1
+
+
+def _refuse(message: str, as_json: bool) -> int:
+    """One line (a JSON object with --json) and exit 2: the audit could not run."""
+    if as_json:
+        print(json.dumps({"ok": False, "error": message}))
+    else:
+        print(f"accounting_check: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -247,7 +248,7 @@ class DrafterConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: Annotated[float, Field(gt=0)] = 1.0
     total_steps: Annotated[int, Field(ge=1)] = 10_000  # length of the lr schedule
-    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # gradient accumulation target; 0: one batch a step
+    tokens_per_step: Annotated[int, Field(ge=0)] = 0  # accumulation target (0: a round a step); the last may be short
     replicas: Annotated[int, Field(ge=1, le=1024)] = 1
     devices: list[str] = Field(default_factory=list)  # one per replica; empty: every replica on "cpu"
     distributed: Literal["ddp", "fsdp"] = "ddp"
@@ -263,13 +264,29 @@ class DrafterConfig(_Section):
     init_from: Annotated[str, Field(min_length=1)] | None = None
     # DFlash2 (z-lab dflash/model.py; consumer/dflash2.py): grouped dynamic causal convolutions around each
     # sublayer and a candidate selector over the full vocabulary; the five keys below apply to it only
-    arch: Literal["dflash1", "dflash2"] = "dflash1"
+    arch: Literal["dflash1", "dflash2", "dspark"] = "dflash1"
     conv_kernel_size: Annotated[int, Field(ge=1, le=16)] = 2  # taps per convolution (block-local)
     conv_group_size: Annotated[int, Field(ge=1)] = 16  # channels sharing one dynamic tap; divides hidden_size
     selector_rank: Annotated[int, Field(ge=1)] = 256  # r of the codebooks [V, r] and hidden_projection H -> r
     selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, the unary top-k
     # L = L_unary + selector_alpha · L_sel, both over the unary loss's weights and normaliser (docs/design.md)
     selector_alpha: Annotated[float, Field(ge=0)] = 1.0
+    # DFlash2's optional serving keys (vLLM qwen3_dflash2.py, z-lab's configs): the unary logits the selector scores
+    # are softcap(output_multiplier · h·Wᵀ) (a target whose own logits are scaled and capped), and only ids below
+    # selector_vocab_size are candidates (the padded rows past the tokenizer never are). None: not set, or taken
+    # from init_from's DFlash2 config when it states them (consumer/warm_start.py)
+    output_multiplier: Annotated[float, Field(gt=0)] | None = None
+    final_logit_softcapping: Annotated[float, Field(gt=0)] | None = None
+    selector_vocab_size: Annotated[int, Field(ge=2)] | None = None
+    # DSpark (DeepSpec config/dspark/dspark_qwen3_8b.py; consumer/dspark.py): DFlash1's backbone, each slot
+    # predicting the token after its position (sample_from_anchor), plus a Markov head (markov_w2·markov_w1[prev]
+    # added to the logits) and a confidence head; its loss is ce·CE + l1·L1 + confidence·BCE over exp(-k/γ)
+    # slot weights (γ: `gamma`, default 4), normalised by Σw (`loss` and dpace_alpha do not apply)
+    markov_rank: Annotated[int, Field(ge=1)] = 256
+    confidence_with_markov: bool = True  # the confidence head reads [h ‖ markov_w1[prev]] (DeepSpec's default)
+    dspark_ce_alpha: Annotated[float, Field(ge=0)] = 0.1
+    dspark_l1_alpha: Annotated[float, Field(ge=0)] = 0.9
+    dspark_confidence_alpha: Annotated[float, Field(ge=0)] = 1.0
     # the training loss (docs/recipes.md): "dpace" (D-PACE, arXiv 2605.18810: per-block weights from the
     # drafter's own confidence, w_k = Σ_{j>=k} m_j·Π_{i<=j} ((1-α)·q_i + α), no gradient; the step divides
     # Σ w·CE by the number of valid anchors (anchors with a supervised slot) of the whole optimizer step,
@@ -336,6 +353,8 @@ class DrafterConfig(_Section):
         """The paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8; interpolated otherwise."""
         if self.gamma is not None:
             return self.gamma
+        if self.arch == "dspark":
+            return 4.0  # DeepSpec's loss_decay_gamma
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size * 7.0 / 16.0))
 
     @property
@@ -425,8 +444,19 @@ def _format_error(source: str, err: ValidationError) -> str:
             msg = "unknown key" + _nearest_key(e["loc"])
         elif e["type"] == "missing":
             msg = "required key is missing"
+        elif e["type"] == "literal_error":
+            msg = _unknown_value(e["input"], (e.get("ctx") or {}).get("expected", ""))
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
+
+
+def _unknown_value(value: Any, expected: str) -> str:
+    """A value an enumerated key does not take (a head, loss, optimizer ... this version does not know): the
+    value, the nearest valid name, and every valid one."""
+    names = re.findall(r"'([^']*)'", expected)
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown value {value!r}{hint}; this version knows: {', '.join(names)}"
 
 
 def _section_keys(loc: tuple) -> list[str]:

@@ -8,6 +8,8 @@
 A process started without launch.sh (by hand, by systemd) takes the job lock shared, so the processes of
 one unmanaged job coexist while a launch.sh of the same job is refused, and vice versa. Either way a
 second copy of one process (its own lock) is refused. The refusal names the holder's pid and start time.
+A one-off step that rewrites the folder (`python -m demo prepare` building the demo's assets) takes the job lock
+exclusively for its length (`exclusive`), unless the launch.sh that started it holds it already.
 
     python -m common.joblock info JOB.toml [--node-rank R]   run folder, lock file, ring file (for launch.sh)
     python -m common.joblock holders RUN_DIR [--node-rank R]  who holds the job's locks, one line each
@@ -84,6 +86,8 @@ def holders(run_dir: str | Path, node: int = 0) -> list[str]:
     if _held(job_lock, fcntl.LOCK_SH) and fields.get("launch"):  # held exclusively: by a launch
         gone = "" if _launch_running(fields) else " (gone: its processes hold the lock)"
         out.append(_describe(fields, "launch.sh") + gone)
+    elif _held(job_lock, fcntl.LOCK_SH) and fields.get("by"):  # held exclusively by a one-off step
+        out.append(_describe(fields, fields["by"].replace("_", " ")))
     for name, fields in _process_holders(run_dir, node):
         out.append(_describe(fields, name))
     return out
@@ -169,10 +173,34 @@ class JobLock:
         self.release()
 
 
-def _stamp(fd: int, launch_id: str) -> None:
+def _stamp(fd: int, launch_id: str, by: str = "") -> None:
     start = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    by_word = f" by={by.replace(' ', '_')}" if by else ""
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid={os.getpid()} start={start} launch={launch_id}\n".encode(), 0)
+    os.pwrite(fd, f"pid={os.getpid()} start={start} launch={launch_id}{by_word}\n".encode(), 0)
+
+
+def exclusive(run_dir: str | Path, what: str, node: int = 0) -> JobLock:
+    """Hold the job lock exclusively while `what` rewrites the run folder: nothing else of the job may run.
+
+    Started by the launch.sh that holds the lock ($DFLASH_LAUNCH_ID names it): that launch's lock covers it.
+    Raises JobLocked naming the holder (a launch, its processes, another `what`) otherwise."""
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = job_lock_path(root, node)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fields = _read_fields(path)
+        os.close(fd)
+        env_id = os.environ.get(LAUNCH_ENV, "")
+        if env_id and fields.get("launch") == env_id:
+            return JobLock([], env_id)
+        held_by = "; ".join(holders(root, node)) or f"{_describe(fields, 'a process')} (job lock {path})"
+        raise JobLocked(f"{root} is in use by {held_by}; {what} not started") from None
+    _stamp(fd, "", what)
+    return JobLock([fd], "")
 
 
 def enter(run_dir: str | Path, name: str, node: int = 0) -> JobLock:
@@ -191,7 +219,8 @@ def enter(run_dir: str | Path, name: str, node: int = 0) -> JobLock:
         fields = _read_fields(job_path)
         if not env_id or fields.get("launch") != env_id:
             os.close(job_fd)
-            raise JobLocked(f"{root} is in use by {_describe(fields, 'launch.sh')}; {name} not started") from None
+            holder = _describe(fields, fields.get("by", "launch.sh").replace("_", " "))
+            raise JobLocked(f"{root} is in use by {holder}; {name} not started") from None
         launch_id = env_id
     fds = [job_fd]
     own_path = process_lock_path(root, node, name)

@@ -4,7 +4,8 @@
                                     [--check-target]   and first: is target.path a model folder (launch.sh)
     python -m common.launch_plan JOB.toml --device-map    which process on which device (launch.sh --dry-run)
     python -m common.launch_plan JOB.toml --device-map --memory [--device-memory GIB] [--target-config DIR]
-                                    and each device's planned GPU memory peak (common/memory_plan.py)
+                                    and each device's planned GPU memory peak (common/memory_plan.py);
+                                    exit 3 when a device is planned over its memory
                                     then each stage's time per batch, the bottleneck and samples/s
                                     [--device h100|h200] [--sample-tokens N] (common/throughput_plan.py)
     python -m common.launch_plan JOB.toml --env-files DIR   systemd: one environment file per process, units to enable
@@ -198,6 +199,7 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
 
 
 MEMORY_PLAN_TIMEOUT_S = 600
+EXIT_OVER_MEMORY = 3  # --memory: a device planned over its memory (the warnings name the process and the keys)
 
 
 def on_gpu(job: JobConfig) -> bool:
@@ -367,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             print(table)
             for w in warnings:
                 print(w)
+            over = len(warnings)
             if on_gpu(job):  # the time side (common/throughput_plan.py)
                 print(
                     throughput_report(
@@ -379,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.sample_tokens,
                     )
                 )
+            if over:
+                print(f"{over} device(s) planned over their memory: the job does not fit (exit {EXIT_OVER_MEMORY})")
+                return EXIT_OVER_MEMORY
         return 0
     for p in procs:
         print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")

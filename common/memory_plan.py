@@ -153,13 +153,30 @@ def render(entries: list[ProcessMemory], sizes: dict[str, int], default_size: in
             parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items() if v)
             lines.append(f"      {e.process:<24} {gib(e.total):>10}  {parts}")
         if size and total > WARN_FRACTION * size:
+            largest = max((e for e in entries if e.device == dev), key=lambda e: e.total)
             warnings.append(
                 f"WARNING: {dev} is planned at {gib(total)}, over {WARN_FRACTION:.0%} of its {gib(size)}"
-                " (the rest is the caching allocator's headroom): the job would run out of memory there"
+                " (the rest is the caching allocator's headroom): the job would run out of memory there;"
+                f" {largest.process} does not fit ({gib(largest.total)}): {what_to_change(largest.process)}"
             )
     if not sizes and default_size is None:
         lines.append("  (device sizes unknown: no NVML here; pass --device-memory GIB to check them)")
     return "\n".join(lines), warnings
+
+
+def what_to_change(process: str) -> str:
+    """The job-file keys that shrink a process's planned peak, by role (the names launch_plan gives them)."""
+    if process.startswith("consumer-"):
+        drafter = process[len("consumer-") :].rsplit("-r", 1)[0]
+        return (
+            'lower data.tokens_per_batch (the step\'s activations grow with it), or set distributed = "fsdp" on'
+            f" drafter {drafter} (its weights, gradients and optimizer state split over its replicas) and raise"
+            " its replicas"
+        )
+    return (
+        "lower data.tokens_per_batch (the forward's activations and the ring's slots grow with it) or"
+        " transport.slots, or raise target.tp_size (the weights split over more GPUs)"
+    )
 
 
 def _device_key(dev: str) -> tuple[str, int]:

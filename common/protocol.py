@@ -103,9 +103,13 @@ class Heartbeat:
     last_seq: int
 
 
+DATA_EXHAUSTED = "data exhausted"  # End's reason when every batch of the plan was delivered
+
+
 @dataclass(frozen=True)
 class End:
-    """producer → consumer: the data is exhausted for your group; checkpoint and say BYE."""
+    """producer → consumer: the stream ended (DATA_EXHAUSTED: the whole plan was delivered; else the producer
+    stopped and says why); checkpoint and say BYE."""
 
     TYPE: ClassVar[int] = 7
     reason: str

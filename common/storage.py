@@ -5,9 +5,16 @@ common/ring.py when it allocates.)"""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
+import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PROBE_PREFIX = ".write-probe-"
+STALE_PROBE_S = 60.0  # a probe lives for microseconds: one this old was left by a killed process
 
 
 class StorageError(RuntimeError):
@@ -24,8 +31,10 @@ def free_bytes(path: Path) -> int:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Create `path` if needed and prove a file can be written in it (read-only mounts, permissions)."""
-    probe = Path(path) / f".write-probe-{secrets.token_hex(4)}"
+    """Create `path` if needed and prove a file can be written in it (read-only mounts, permissions). Probes
+    that killed processes left there (older than STALE_PROBE_S; a live one is another process's) are removed."""
+    remove_stale_probes(Path(path))
+    probe = Path(path) / f"{PROBE_PREFIX}{secrets.token_hex(4)}"
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"x")
@@ -41,6 +50,24 @@ def check_writable(path: Path, what: str) -> None:
             f"{what} {path} is not writable: {hint.get(err.errno, err.strerror)}"
             f" ({err.filename or path}); choose a writable job.run_dir"
         ) from None
+
+
+def remove_stale_probes(path: Path) -> int:
+    """Remove the write probes in `path` older than STALE_PROBE_S, saying so; returns how many."""
+    if not path.is_dir():
+        return 0
+    old = time.time() - STALE_PROBE_S
+    stale = []
+    for probe in path.glob(f"{PROBE_PREFIX}*"):
+        try:
+            if probe.is_file() and probe.stat().st_mtime < old:
+                probe.unlink()
+                stale.append(probe.name)
+        except OSError:
+            pass  # removed meanwhile, or not ours to remove: the write probe below says what is wrong
+    if stale:
+        log.info("removed %d write probe(s) left in %s by killed processes: %s", len(stale), path, ", ".join(stale))
+    return len(stale)
 
 
 def check_room(path: Path, need_bytes: int, what: str) -> None:

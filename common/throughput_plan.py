@@ -17,12 +17,16 @@ overlap it with training, so it limits the job only when it is the slowest stage
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from dataclasses import asdict, dataclass, field
 
 # SpecForge's measured MFU on 8×H200 (reference/dflash.md §5): trainer 43.5–44.1 %, target prefill ≈ 43 %
 DEFAULT_MFU = 0.45
 BANDWIDTH_FRACTION = 0.8  # of a published HBM bandwidth; the NVLink figure below is already a measured one
+# the most of a drafter replica's time the optimizer step should take (issue 34): above it the plan names the
+# tokens_per_step that brings it under (Newton–Schulz is paid once a step, the forward and backward every batch)
+MAX_OPTIMIZER_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Work:
     processes: int  # processes that share the stage's batches
     parts: dict[str, tuple[str, float]] = field(default_factory=dict)
     note: str = ""
+    per_step: float = 1.0  # batches a process trains per optimizer step
+    step_parts: tuple[str, ...] = ()  # parts paid once a step (given per batch: already divided by per_step)
 
     def to_json(self) -> str:
         return json.dumps({"work": asdict(self)})
@@ -68,7 +74,8 @@ class Work:
     def from_json(cls, line: str) -> Work:
         d = json.loads(line)["work"]
         parts = {str(k): (str(r), float(a)) for k, (r, a) in d["parts"].items()}
-        return cls(str(d["stage"]), int(d["processes"]), parts, str(d.get("note", "")))
+        steps = (float(d.get("per_step", 1.0)), tuple(map(str, d.get("step_parts", ()))))
+        return cls(str(d["stage"]), int(d["processes"]), parts, str(d.get("note", "")), *steps)
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,40 @@ def part_seconds(work: Work, rate: dict[str, float]) -> dict[str, float]:
     return {name: amount / rate[res] for name, (res, amount) in work.parts.items()}
 
 
+def optimizer_share(work: Work, rate: dict[str, float], per_step: float | None = None) -> float:
+    """The share of a process's time per batch spent in the parts named "optimizer…", at `per_step` batches
+    a step (default: the work's own)."""
+    scale = work.per_step / (per_step or work.per_step)
+    secs = {n: s * (scale if n in work.step_parts else 1.0) for n, s in part_seconds(work, rate).items()}
+    total = sum(secs.values())
+    return sum(s for n, s in secs.items() if n.startswith("optimizer")) / total if total else 0.0
+
+
+def optimizer_line(work: Work, rate: dict[str, float], tokens_per_batch: int) -> str | None:
+    """The optimizer's share of a drafter replica's step; above MAX_OPTIMIZER_SHARE, the tokens_per_step
+    (whole batches a replica) that brings it under. None for a stage without an optimizer."""
+    if not any(n.startswith("optimizer") and a for n, (_, a) in work.parts.items()):
+        return None
+    share = optimizer_share(work, rate)
+    line = f"optimizer: {100 * share:.0f} % of a replica's time per batch"
+    if share <= MAX_OPTIMIZER_SHARE:
+        return f"{line} (at most {100 * MAX_OPTIMIZER_SHARE:.0f} %)"
+    k = next(
+        (
+            k
+            for k in range(math.floor(work.per_step) + 1, 1 << 16)
+            if optimizer_share(work, rate, k) <= MAX_OPTIMIZER_SHARE
+        ),
+        None,
+    )
+    if k is None:  # an optimizer part paid every batch: a longer step does not help
+        return f"{line}, above {100 * MAX_OPTIMIZER_SHARE:.0f} %"
+    return (
+        f"{line}, above {100 * MAX_OPTIMIZER_SHARE:.0f} %: tokens_per_step = {k * work.processes * tokens_per_batch:,}"
+        f" ({k} batches a replica a step) brings it to {100 * optimizer_share(work, rate, k):.0f} %"
+    )
+
+
 def _amount(res: str, amount: float) -> str:
     return f"{amount / 1e12:.2f} TFLOP" if res == "flops" else f"{amount / 1e9:.2f} GB {res}"
 
@@ -144,6 +185,8 @@ def render(
         lines.append(f"  {w.stage:<24} {w.processes:>5} {1e3 * total:>9.1f} {stage_rates[w.stage]:>9.2f}  {parts}")
         if w.note:
             lines.append(f"  {'':<24} {'':>5} {'':>9} {'':>9}  ({w.note})")
+        if share := optimizer_line(w, rate, tokens_per_batch):
+            lines.append(f"  {'':<24} {'':>5} {'':>9} {'':>9}  {share}")
     bottleneck = min(stage_rates, key=stage_rates.get)
     batches = stage_rates[bottleneck]
     samples = batches * tokens_per_batch / sample_tokens

@@ -11,6 +11,11 @@ alike, and the save it may need is the group's collective checkpoint. best.json 
 and is the record: the pointer follows it, and a pointer a crash left behind is repointed at start. Resume
 reads best.json, so a worse pass after a restart does not replace the best. Pruning (consumer/checkpoint.py)
 never deletes the directory `best` points at.
+
+At resume `settle_best` checks the best checkpoint as `latest` is checked. One that is gone (set aside as
+corrupt by resume's fallback, or removed by hand) or broken (then set aside as corrupt-step_<N>) is no best:
+best.json and the pointer are removed, with a line naming it, its τ and why, and the next whole pass sets a
+new best. (No other checkpoint's held-out τ is known, so none can be named best in its place.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.checkpoint_pointer import BEST, read_pointer, write_pointer
+from consumer.checkpoint import CORRUPT_PREFIX, CheckpointCorrupt, check_checkpoint, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -81,35 +87,68 @@ def decide(rows: list[list[float]]) -> tuple[Candidate, bool] | None:
     return candidate, writer[6] != 1.0
 
 
+def settle_best(ckpt_root: str | Path, resumed: Path | None) -> None:
+    """On the writer at resume, after `latest` was settled (`resumed`: the checkpoint resumed from, checked
+    already): `best` names an intact checkpoint afterwards, or there is no `best` and a line says why."""
+    root = Path(ckpt_root)
+    best = _read_record(root)
+    name = best.checkpoint if best is not None else read_pointer(root, BEST)
+    if name is None or (resumed is not None and name == resumed.name):
+        return
+    path = root / name
+    if not path.is_dir():
+        fault = "it is gone" + (
+            f" (set aside as {CORRUPT_PREFIX}{name})" if (root / f"{CORRUPT_PREFIX}{name}").is_dir() else ""
+        )
+    else:
+        try:
+            check_checkpoint(path)
+            return
+        except CheckpointCorrupt as err:
+            fault = f"{err}; set aside as {set_aside(path).name}"
+    for stale in (root / BEST, root / RECORD):
+        if stale.is_symlink() or stale.exists():
+            stale.unlink()
+    figures = f", held-out τ {best.tau:.3f} at step {best.step}" if best is not None else ""
+    log.warning(
+        "the best checkpoint %s%s is not usable: %s. `best` and %s removed: the next whole held-out pass sets a new best",
+        path,
+        figures,
+        fault,
+        RECORD,
+    )
+
+
+def _read_record(root: Path) -> Best | None:
+    """best.json's record; None when there is none, or (said in a line) it is unreadable."""
+    path = root / RECORD
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        return Best(str(doc["checkpoint"]), int(doc["step"]), float(doc["tau"]), float(doc["loss"]), int(doc["pass"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("%s is unreadable (%s): starting without a best checkpoint", path, err)
+        return None
+
+
 class BestCheckpoint:
     """The best-so-far record of one drafter's checkpoint folder (read at start, so a resume keeps it)."""
 
     def __init__(self, ckpt_root: str | Path):
         self.root = Path(ckpt_root)
-        self.best = self._read()
-        if self.best is not None and read_pointer(self.root, BEST) != self.best.checkpoint:
-            if (self.root / self.best.checkpoint).is_dir():  # a crash between the record and the pointer
-                write_pointer(self.root, self.best.checkpoint, BEST)
-            else:
-                log.warning(
-                    "%s names %s, which is gone; the best τ %.3f stays the value to beat",
-                    self.root / RECORD,
-                    self.best.checkpoint,
-                    self.best.tau,
-                )
-
-    def _read(self) -> Best | None:
-        path = self.root / RECORD
-        if not path.is_file():
-            return None
-        try:
-            doc = json.loads(path.read_text())
-            return Best(
-                str(doc["checkpoint"]), int(doc["step"]), float(doc["tau"]), float(doc["loss"]), int(doc["pass"])
+        self.best = _read_record(self.root)
+        if self.best is None or read_pointer(self.root, BEST) == self.best.checkpoint:
+            return
+        if (self.root / self.best.checkpoint).is_dir():  # a crash between the record and the pointer
+            write_pointer(self.root, self.best.checkpoint, BEST)
+        else:  # settle_best removes such a record at resume; without it, none of it is trusted
+            log.warning(
+                "%s names %s, which is gone: starting without a best checkpoint",
+                self.root / RECORD,
+                self.best.checkpoint,
             )
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            log.warning("%s is unreadable (%s): starting without a best checkpoint", path, err)
-            return None
+            self.best = None
 
     def record(self, checkpoint: str, step: int, tau: float, loss: float, pass_: int) -> Best:
         """Make `checkpoint` (a saved step_<N> directory) the best: best.json, then the pointer."""

@@ -19,10 +19,11 @@ from common.config import DrafterConfig, JobConfig, dflash_layer_ids
 from common.profile import ProfileStats
 from common.startup import StartupBeat
 from common.stats import StatsSink
-from common.storage import StorageError, check_room
-from consumer.best_checkpoint import BestCheckpoint
+from common.storage import StorageError, check_room, check_writable
+from consumer.best_checkpoint import BestCheckpoint, settle_best
 from consumer.checkpoint import NoIntactCheckpoint, checkpoint_bytes, resume_checkpoint, write_checkpoint
-from consumer.checkpoint_state import restore
+from consumer.checkpoint_state import restore, world_change
+from consumer.copy_out import CopyOut, copy_out_rows
 from consumer.distributed import GroupEnv, ReplicaGroup, StepTrace
 from consumer.export.layout import trainer_export_config
 from consumer.fanin import FanIn
@@ -34,7 +35,7 @@ from consumer.stream import BatchStream
 from consumer.target_parts import TargetParts, TargetPartsError, load_target_parts
 from consumer.trainer import NonFiniteCheckpointError, Trainer
 from consumer.validation import Evaluator, job_validation
-from consumer.warm_start import WarmStartError, warm_start_unless_resuming
+from consumer.warm_start import WarmStartError, warm_start_unless_resuming, with_published_serving_keys
 
 log = logging.getLogger("consumer")
 
@@ -84,9 +85,10 @@ def target_layer_ids(job: JobConfig, parts: TargetParts) -> list[int]:
 def new_trainer(
     job: JobConfig, cfg: DrafterConfig, parts: TargetParts, device: torch.device, prof: ProfileStats | None = None
 ) -> Trainer:
-    """A fresh trainer of drafter `cfg` over the job's captured layers, seeded by the job."""
+    """A fresh trainer of drafter `cfg` over the job's captured layers, seeded by the job (a DFlash2 drafter's unset
+    serving keys taken from its init_from directory: consumer/warm_start.py)."""
     return Trainer(
-        cfg,
+        with_published_serving_keys(cfg),
         parts,
         target_layer_ids(job, parts),
         device,
@@ -112,11 +114,14 @@ def load_training(
     warm_start_unless_resuming(trainer, ckpt_root)  # init_from: a published drafter's weights, unless resuming
     if cfg.distributed == "fsdp":
         group.shard(trainer)  # FSDP2 over the replicas, before any state is loaded
-    if group.is_writer:  # a read-only or full disk is a clear error now, not a lost checkpoint hours later
-        check_room(ckpt_root, checkpoint_bytes(trainer), f"drafter {cfg.name}'s checkpoint folder")
+    what = f"drafter {cfg.name}'s checkpoint folder"
+    if group.is_writer:  # a read-only disk is a clear error now, not a traceback at resume
+        check_writable(ckpt_root, what)
 
-    def latest():
-        ckpt = resume_checkpoint(ckpt_root)  # falls back past broken ones, saying so
+    def latest():  # on global rank 0, the writer
+        ckpt = resume_checkpoint(ckpt_root)  # falls back past broken ones, removes killed writes' leftovers
+        settle_best(ckpt_root, ckpt.path if ckpt else None)  # `best` checked as `latest` is
+        check_room(ckpt_root, checkpoint_bytes(trainer), what)  # a full disk: now, not a lost checkpoint later
         return None if ckpt is None else (str(ckpt.path), ckpt.state)
 
     resumed = group.broadcast_state(latest)  # rank 0 reads its disk; the others need no shared filesystem
@@ -142,9 +147,13 @@ def load_training(
             trainer.step,
             list(cursor.cursors[env.node_rank]),
         )
+    changed = world_change(state, where, env.world_size, trainer.fsdp is not None)
+    if changed and group.is_writer:
+        log.info("%s", changed)
     group.broadcast_params(trainer.params)
     if group.world_size > 1:
         trainer.grad_sync = group.sum_grads
+        group.split_muon(trainer.optimizer)
         log.info(
             "%s is rank %d of %d (node %d of %d), group at %s:%d",
             name,
@@ -169,7 +178,10 @@ def build_stream(
     prof: ProfileStats | None = None,
     launch_id: str = "",
 ) -> BatchStream | FanIn:
-    """One stream per target replica's producer (consumer/fanin.py), each asking `resume` for its seq."""
+    """One stream per target replica's producer (consumer/fanin.py), each asking `resume` for its seq, all
+    copying out into one CopyOut: the trainer takes one batch at a time, whichever producer sent it."""
+    ring = torch.device("cuda" if job.transport_kind == "cuda" else "cpu")
+    copy_out = CopyOut(device, ring, copy_out_rows(job))
     streams = [
         BatchStream(
             job,
@@ -182,6 +194,7 @@ def build_stream(
             launch_id=launch_id,
             stopping=stop.requested,
             producer=p,
+            copy_out=copy_out,
         )
         for p in range(job.target.replicas)
     ]

@@ -17,7 +17,8 @@ Resuming never loads a broken checkpoint silently: `load_latest` checks the mani
 and digest matching), reads trainer_state.pt and checks that the weights and optimizer moments are finite.
 A checkpoint that fails is logged with its file and the reason, and the next older one is tried;
 `resume_checkpoint` (the consumer's entry) also sets the broken ones aside as `corrupt-step_<N>` and
-points `latest` at the one it resumed from, so the exactly-once checker walks the lineage really resumed.
+points `latest` at the one it resumed from, so the exactly-once checker walks the lineage really resumed,
+and removes what killed writes left (consumer/checkpoint_leftovers.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from common.checkpoint_pointer import BEST, LATEST, read_pointer, write_pointer
 from common.config import DTYPE_BYTES
 from common.storage import free_bytes
+from consumer.checkpoint_leftovers import put_back, remove_leftovers
 from consumer.checkpoint_state import checkpoint_state
 from consumer.export.layout import EXPORT_FILES, drafter_shape, extra_export_files, trainer_export_config, write_export
 from consumer.shape import shape_from_config
@@ -329,23 +331,39 @@ def load_latest(ckpt_root: str | Path) -> Checkpoint | None:
     )
 
 
+def check_checkpoint(path: Path) -> None:
+    """Raise CheckpointCorrupt naming the file and the fault unless `path` passes every check resume makes."""
+    _read_checked(path)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the broken checkpoint `path` to corrupt-step_<N> (a free variant of the name), saying so: kept
+    for a post-mortem, never pruned nor loaded."""
+    aside = path.parent / f"{CORRUPT_PREFIX}{path.name}"
+    if aside.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f"{CORRUPT_PREFIX}{path.name}.", dir=path.parent))
+        aside.rmdir()
+    os.rename(path, aside)
+    log.warning("set the broken checkpoint %s aside as %s", path, aside.name)
+    return aside
+
+
 def resume_checkpoint(ckpt_root: str | Path) -> Checkpoint | None:
-    """load_latest, and when it fell back: set the broken newer checkpoints aside as corrupt-step_<N> (kept for
-    a post-mortem, never pruned nor loaded) and point `latest` at the one resumed from (atomically).
+    """load_latest, after putting back a checkpoint a killed write had moved aside; when it fell back: set the
+    broken newer checkpoints aside as corrupt-step_<N> (kept for a post-mortem, never pruned nor loaded) and
+    point `latest` at the one resumed from (atomically). Then, the newest intact checkpoint known, the
+    leftovers of killed writes are removed (consumer/checkpoint_leftovers.py); when none is intact they stay,
+    for a recovery by hand.
 
     Only the process that writes the folder (the group's rank 0) may call this."""
-    ckpt = load_latest(ckpt_root)
-    if ckpt is None or not ckpt.skipped:
-        return ckpt
     root = Path(ckpt_root)
-    for path in ckpt.skipped:
-        if path.is_dir():
-            aside = root / f"{CORRUPT_PREFIX}{path.name}"
-            if aside.exists():
-                aside = Path(tempfile.mkdtemp(prefix=f"{CORRUPT_PREFIX}{path.name}.", dir=root))
-                aside.rmdir()
-            os.rename(path, aside)
-            log.warning("set the broken checkpoint %s aside as %s", path, aside.name)
-    write_pointer(root, ckpt.path.name)
-    log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
+    put_back(root)
+    ckpt = load_latest(root)
+    if ckpt is not None and ckpt.skipped:
+        for path in ckpt.skipped:
+            if path.is_dir():
+                set_aside(path)
+        write_pointer(root, ckpt.path.name)
+        log.warning("%s now points at %s", root / LATEST, ckpt.path.name)
+    remove_leftovers(root)
     return ckpt

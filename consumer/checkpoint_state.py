@@ -71,6 +71,24 @@ def restore(state: dict | None, source: str, trainer, *, nnodes: int, producers:
     return Restored(cursor, lineages, same_plan)
 
 
+def world_change(state: dict | None, source: str, world_size: int, sharded: bool) -> str | None:
+    """One line for the log when `state` was written by a group of another size than this run's `world_size`
+    (None otherwise): the old and new sizes and what was re-sharded or re-dealt. `sharded`: this run is FSDP."""
+    written = ((state or {}).get("group") or {}).get("world_size")
+    if written is None or written == world_size:
+        return None
+    done = [
+        f"weights, gradients and optimizer state re-sharded from {written} to {world_size} shard(s) (FSDP)"
+        if sharded
+        else f"weights and optimizer state loaded whole on each of the {world_size} replica(s)"
+    ]
+    rngs = state.get("rng_replicas")
+    if rngs is not None and len(rngs) != world_size:
+        done.append(f"the writer's anchor RNG on every replica (the {len(rngs)} per-replica streams fit {len(rngs)})")
+    done.append(f"the group cursor goes on, the producer dealing the remaining seqs to {world_size} replica(s)")
+    return f"{source} was written by a group of {written} replica(s), this run has {world_size}: " + "; ".join(done)
+
+
 def cpu_copy(obj):
     """A snapshot: every tensor copied to the CPU, so training on never changes a state already taken."""
     if torch.is_tensor(obj):

@@ -5,13 +5,18 @@ Ownership: the buffers are reused, never reallocated per batch. A batch handed o
 trainer runs forward + backward at once, or, under FSDP where the forward waits for the group, copies
 what it defers: consumer/trainer.py `accumulate`).
 
+One CopyOut serves every producer a consumer reads (consumer/fanin.py): one batch is in flight at a time,
+so a fan-in of R producers holds the sets of one stream, not R of them (consumer/memory_plan.py plans them).
+
 CPU: one buffer set, synchronous copies. CUDA: two buffer sets used in turn and a copy stream per GPU
-involved (the consumer's, and the ring's when it is another one), so the copy of batch n+1 runs while the
+involved (the consumer's, and each ring's that is another one), so the copy of batch n+1 runs while the
 training stream still computes on batch n:
 - before a set is overwritten, the copy streams wait on an event the training stream recorded when the
   set's previous batch was given up (the next `copy()`): its step's kernels have read it by then;
 - after the copies, an event on each copy stream; the host waits on those events only (the slot may be
-  released and its seq tag read once they completed), never on the training stream;
+  released and its seq tag read once they completed), never on the training stream. The events are
+  blocking-sync ones: the waiting thread sleeps in the driver instead of spinning a core that the host's
+  other threads (tokenizer prefetch, telemetry, the channel's I/O) need;
 - the training stream waits on the consumer GPU's copy event before any work on the new batch;
 - a buffer (re)allocated (first batches, a larger batch) comes from the training stream's pool, whose last
   user may still be queued there: the copy streams wait for the training stream once, then.
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.config import JobConfig
 from common.packed_batch import HOST_FIELDS
 
 
@@ -77,20 +83,50 @@ class BufferSets:
         return out, allocated
 
 
+def sets_for(cuda: bool) -> int:
+    """Buffer sets a CopyOut keeps: two where a GPU is involved (copy of n+1 during the step on n), else one."""
+    return 2 if cuda else 1
+
+
+def copy_out_rows(job: JobConfig) -> int:
+    """Rows each buffer is allocated with at first: the largest batch of the job (tokens_per_batch)."""
+    return job.data.tokens_per_batch + 1
+
+
+def planned_device_bytes(min_rows: int, feature_width: int, feature_itemsize: int, cuda: bool = True) -> int:
+    """The device memory of a consumer's copy-out once its sets hold batches of up to `min_rows` tokens: the
+    device fields (features, input_ids) of every set; the host fields live in (pinned) host memory."""
+    row = feature_width * feature_itemsize + torch.empty((), dtype=torch.int64).element_size()
+    return sets_for(cuda) * min_rows * row
+
+
 class CopyOut:
-    """Copies views of a slot (on `ring_device`) into buffers on `device`; see the module docstring."""
+    """Copies views of a slot (on a ring's device) into buffers on `device`; see the module docstring.
+
+    `ring_device`: where the rings are (their kind decides the sets; a ring's GPU is read off each batch's views,
+    so one CopyOut serves the rings of every producer)."""
 
     def __init__(self, device: torch.device, ring_device: torch.device, min_rows: int):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        # the ring's GPU first, the consumer's last: inside copy() the consumer's GPU is the current device
-        gpus = list(dict.fromkeys(d for d in (ring_device, device) if d.type == "cuda"))
-        self.cuda = bool(gpus)
-        self.sets = BufferSets(2 if self.cuda else 1, device, min_rows, pin_host=self.cuda)
-        self.streams = [torch.cuda.Stream(device=d) for d in gpus]
+        self.cuda = device.type == "cuda" or ring_device.type == "cuda"
+        self.sets = BufferSets(sets_for(self.cuda), device, min_rows, pin_host=self.cuda)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # a copy stream per GPU, made at its first batch
         self._tag = torch.empty(1, dtype=torch.int64, pin_memory=self.cuda)
         self._training = device.type == "cuda"  # the consumer's own GPU runs the step, on its current stream
+
+    @property
+    def streams(self) -> list[torch.cuda.Stream]:
+        return list(self._streams.values())
+
+    def _copy_streams(self, ring_device: torch.device) -> list[torch.cuda.Stream]:
+        """The ring's GPU first, the consumer's last: inside copy() the consumer's GPU is the current device."""
+        gpus = dict.fromkeys(d for d in (ring_device, self.device) if d.type == "cuda")
+        for d in gpus:
+            if d not in self._streams:
+                self._streams[d] = torch.cuda.Stream(device=d)
+        return [self._streams[d] for d in gpus]
 
     def copy(
         self, views: dict[str, torch.Tensor], tag: torch.Tensor | None
@@ -109,8 +145,10 @@ class CopyOut:
             if tag is not None:
                 self._tag.copy_(tag)
             return out, int(self._tag[0]) if tag is not None else None
+        ring_device = next(iter(views.values())).device if views else self.device
+        streams = self._copy_streams(ring_device)
         with contextlib.ExitStack() as on_copy_streams:
-            for stream in self.streams:
+            for stream in streams:
                 on_copy_streams.enter_context(torch.cuda.stream(stream))
                 if bufset.freed is not None:
                     stream.wait_event(bufset.freed)  # the step that read this set's last batch is done
@@ -120,12 +158,12 @@ class CopyOut:
                 out[name].copy_(view, non_blocking=True)
             if tag is not None:  # read after the data: a rewrite begun before this read has already changed it
                 self._tag.copy_(tag, non_blocking=True)
-            copied = [stream.record_event() for stream in self.streams]
+            copied = [stream.record_event(torch.cuda.Event(blocking=True)) for stream in streams]
         for event in copied:
-            event.synchronize()  # the copy streams only: the training stream keeps running
+            event.synchronize()  # the copy streams only, sleeping (blocking event): the training stream keeps running
         if self._training:  # the consumer's copy stream is the last one
             torch.cuda.current_stream(self.device).wait_event(copied[-1])
         return out, int(self._tag[0]) if tag is not None else None
 
 
-__all__ = ["BufferSet", "BufferSets", "CopyOut"]
+__all__ = ["BufferSet", "BufferSets", "CopyOut", "copy_out_rows", "planned_device_bytes", "sets_for"]

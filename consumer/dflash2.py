@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from common.config import DrafterConfig
+from consumer.dspark import DSparkDrafter, DSparkShape
 from consumer.model import MLP, Attention, DFlashDrafter, DrafterArch, RMSNorm
 
 
@@ -44,10 +45,42 @@ class DFlash2Shape:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # the optional serving keys (vLLM's DFlash2Qwen3ForCausalLM.compute_candidates): U = softcap(m · h·Wᵀ) for the
+    # edge scores, candidates among ids < selector_vocab_size (None: the whole vocabulary)
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    selector_vocab_size: int | None = None
 
     @classmethod
     def from_config(cls, cfg: DrafterConfig) -> DFlash2Shape:
-        return cls(cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k)
+        return cls(
+            cfg.block_size,
+            cfg.conv_kernel_size,
+            cfg.conv_group_size,
+            cfg.selector_rank,
+            cfg.selector_top_k,
+            cfg.output_multiplier if cfg.output_multiplier is not None else 1.0,
+            cfg.final_logit_softcapping,
+            cfg.selector_vocab_size,
+        )
+
+    def unary(self, logits: Tensor) -> Tensor:
+        """Raw head logits -> the unary scores the selector adds to: softcap(m · logits) in float32 (monotonic, so
+        the candidates are the raw logits' top-k)."""
+        u = logits.float() * self.output_multiplier
+        cap = self.final_logit_softcapping
+        return torch.tanh(u / cap) * cap if cap else u
+
+    def export_keys(self) -> dict:
+        """The optional keys as dflash_config carries them, only those that apply."""
+        out: dict = {}
+        if self.output_multiplier != 1.0:
+            out["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.selector_vocab_size is not None:
+            out["selector_vocab_size"] = self.selector_vocab_size
+        return out
 
 
 def grouped_causal_conv(x: Tensor, delta: Tensor, base: Tensor, block_size: int, group_size: int) -> Tensor:
@@ -181,7 +214,9 @@ class DFlash2Drafter(DFlashDrafter):
     def walk(self, hidden: Tensor, anchor: Tensor) -> Tensor:
         """hidden [B-1, H] of the proposal slots, anchor [] the verified token -> greedy drafts [B-1]:
         x_t = argmax over the candidates of S_t(x_{t-1} -> b), x_0 = the anchor (consumer/export/dflash2.py)."""
-        unary, cand = self.logits(hidden).float().topk(self.candidate_selector.top_k, dim=-1)  # [B-1, k]
+        raw = self.logits(hidden)[..., : self.shape.selector_vocab_size]  # candidates among the selector's ids
+        raw, cand = raw.float().topk(self.candidate_selector.top_k, dim=-1)  # [B-1, k]
+        unary = self.shape.unary(raw)
         drafts, prev = [], anchor.view(1)
         for t in range(hidden.shape[0]):
             scores = self.candidate_selector(hidden[t : t + 1], unary[t : t + 1], cand[t : t + 1], prev)  # [1, k]
@@ -245,6 +280,8 @@ def make_drafter(
     """The drafter `cfg.arch` names (drafters.arch)."""
     if cfg.arch == "dflash2":
         return DFlash2Drafter(arch, DFlash2Shape.from_config(cfg), embed_tokens, lm_head, init_seed)
+    if cfg.arch == "dspark":
+        return DSparkDrafter(arch, DSparkShape.from_config(cfg), embed_tokens, lm_head, init_seed)
     return DFlashDrafter(arch, embed_tokens, lm_head, init_seed)
 
 
@@ -263,8 +300,8 @@ SELECTOR_STATS = ("selector_recall", "selector_acc")
 def _edge_scores(model: DFlash2Drafter, h: Tensor, cand: Tensor, prev: Tensor) -> Tensor:
     """S [n, k] of one chunk: the candidates' unary logits U (through h: no stop-gradient) plus the selector's."""
     lm_head = model.lm_head
-    unary = torch.einsum("nh,nkh->nk", h.to(lm_head.dtype), F.embedding(cand, lm_head))  # U at the candidates
-    return model.candidate_selector(h, unary, cand, prev)
+    raw = torch.einsum("nh,nkh->nk", h.to(lm_head.dtype), F.embedding(cand, lm_head))  # head logits at the candidates
+    return model.candidate_selector(h, model.shape.unary(raw), cand, prev)  # U = softcap(m · raw)
 
 
 def selector_loss(
@@ -292,8 +329,9 @@ def selector_loss(
         if candidates is not None:
             cand = candidates[s:e]
         else:
-            with torch.no_grad():
-                cand = (h.detach().to(lm_head.dtype) @ lm_head.T).topk(k, dim=-1).indices  # [n, k] strict top-k
+            with torch.no_grad():  # [n, k] strict top-k among the selector's ids
+                cand = (h.detach().to(lm_head.dtype) @ lm_head[: model.shape.selector_vocab_size].T).topk(k, dim=-1)
+                cand = cand.indices
         # recomputed in backward: the gathered head rows [n, k, H] are never kept for more than one chunk
         scores = checkpoint(_edge_scores, model, h, cand, prev[s:e], use_reentrant=False)  # [n, k]
         hit = cand == gold[:, None]

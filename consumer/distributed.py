@@ -110,6 +110,7 @@ class RoundFlags:
 
     has_batch: int = 0  # trained (forward + backward) a batch this round, not yet closed
     ended: int = 0  # the producer said END: contributes nothing from now on
+    exhausted: int = 0  # that END said the plan is delivered: the group trains its last, partial step
     starved: int = 0  # waited a full poll without a batch
     tokens: int = 0  # tokens of its batch this round
     stop: int = 0  # asked to stop (SIGTERM/SIGINT): the group stops at this round
@@ -202,6 +203,13 @@ class ReplicaGroup:
         mesh = self._collective("the FSDP mesh set-up", lambda: init_device_mesh(self.device.type, (self.world_size,)))
         trainer.shard(mesh)
         log.info("drafter %s: FSDP2 over %d replicas (%s)", trainer.cfg.name, self.world_size, self.device.type)
+
+    def split_muon(self, optimizer) -> None:
+        """Muon's Newton–Schulz of replicated weights split over the group, each matrix orthogonalised by one
+        replica (consumer/muon.py); FSDP's sharded weights split over their mesh without it. AdamW: nothing."""
+        split_over = getattr(optimizer, "split_over", None)  # MuonWithAdamW (consumer/optim.py imports this module)
+        if self.world_size > 1 and split_over is not None:
+            split_over(dist.group.WORLD)
 
     def sync_round(self, mine: RoundFlags) -> RoundFlags:
         """Sum every replica's flags; the wait here is where replicas wait for each other (allreduce_wait)."""

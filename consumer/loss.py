@@ -119,6 +119,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         chunk_rows: int,
         reweight,
         top_k_out: Tensor | None = None,
+        top_k_vocab: int | None = None,
     ):
         Q = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
@@ -132,7 +133,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                 e = min(s + chunk_rows, Q)
                 logits = h[s:e] @ lm_head.T  # [r, V]: the only logits alive
                 if top_k_out is not None:  # DFlash2's candidates (consumer/dflash2.py), before the kernel overwrites
-                    top_k_out[s:e] = logits.topk(top_k_out.shape[1], dim=-1).indices
+                    top_k_out[s:e] = logits[:, :top_k_vocab].topk(top_k_out.shape[1], dim=-1).indices
                 lse, tgt, mx = weighted_ce_(logits, labels[s:e], weights[s:e], need_grad, **extra)
                 w = weights[s:e]
                 loss += torch.where(w != 0, w * (lse - tgt), 0.0).sum()  # rows without loss never add NaN
@@ -148,7 +149,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss).to(ctx.hidden_dtype), None, None, None, None, None, None
+        return (grad_h * grad_loss).to(ctx.hidden_dtype), None, None, None, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -160,25 +161,30 @@ def chunked_lm_head_loss(
     loss: SlotLoss | None = None,
     top_k_out: Tensor | None = None,
     weights_out: Tensor | None = None,
+    top_k_vocab: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """hidden [Q, H], frozen lm_head [V, H], labels [Q], weights [Q] -> (Σ w·CE as a float32 scalar,
     correct [Q] bool: the argmax is the label). Normalise outside (once per optimizer step: the SlotLoss's
     normaliser summed over the step). With a reweighting `loss` (D-PACE), `weights` is its base (the mask),
     the weights are computed from each chunk's CE, and chunks hold whole blocks (chunk_rows rounded down
     to a multiple of the block size); `weights_out` [Q] float32, when given, receives the weights used.
-    top_k_out [Q, k] int64, when given, receives each row's top-k logit indices (no second logits pass)."""
+    top_k_out [Q, k] int64, when given, receives each row's top-k logit indices (no second logits pass), among
+    ids < top_k_vocab when given (DFlash2's selector_vocab_size)."""
     if lm_head.requires_grad:
         raise ValueError("chunked_lm_head_loss: the lm_head must be frozen (it gets no gradient here)")
     if loss is None or not loss.reweights:
         if weights_out is not None:
             weights_out.copy_(weights)
-        return _ChunkedLMHeadCE.apply(hidden, lm_head, labels, weights.float(), chunk_rows, None, top_k_out)
+        return _ChunkedLMHeadCE.apply(
+            hidden, lm_head, labels, weights.float(), chunk_rows, None, top_k_out, top_k_vocab
+        )
     B = loss.block_size
     if hidden.shape[0] % B:
         raise ValueError(f"chunked_lm_head_loss: {hidden.shape[0]} rows are not whole blocks of {B}")
     # overwritten chunk by chunk by the weights used: the caller's stays the mask
     w = weights.float().clone() if weights_out is None else weights_out.copy_(weights)
-    return _ChunkedLMHeadCE.apply(hidden, lm_head, labels, w, max(B, chunk_rows // B * B), loss.weights, top_k_out)
+    rows = max(B, chunk_rows // B * B)
+    return _ChunkedLMHeadCE.apply(hidden, lm_head, labels, w, rows, loss.weights, top_k_out, top_k_vocab)
 
 
 def full_logits_loss(

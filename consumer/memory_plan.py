@@ -4,12 +4,16 @@ Per drafter replica, MemTracker's peak over two training steps of the real draft
 anchors of consumer/objective.py, the real chunked loss, the trainer's own optimizer from consumer/optim.py),
 run on fake tensors at a batch of tokens_per_batch tokens: the fp32 weights, gradients and optimizer state
 (fused AdamW's two moments; or Muon's momentum, its skip's one-matrix copies and Newton-Schulz temporaries,
-with AdamW's moments for the rest), the frozen embedding and LM head, the copied-out features, every
+with AdamW's moments for the rest), the frozen embedding and LM head, every
 activation the backward keeps and the temporaries between. A CUDA step is planned
 as the trainer runs it on CUDA (bf16 autocast, frozen parts in bf16, FlexAttention over bucket-padded q/k/v);
 what has no CPU form is stood in by its memory: FlexAttention's fused kernels (output and log-sum-exp forward;
 dq, dk, dv backward; the block mask's index tensors) and the Triton cross-entropy (in place, three [rows]
 vectors). A CPU step runs everything as the CPU trainer does (tests check it against measured CPU peaks).
+
+The batch's features are not part of the step's peak: they are the copy-out's buffers (consumer/copy_out.py),
+planned apart as `copy_out`: two sets of device fields at tokens_per_batch rows, one per consumer whatever
+the number of producers feeding it.
 
 FSDP (distributed = "fsdp") keeps 1/world of the weights and optimizer state per replica plus the unsharded
 working set of its units (the layer being run, the one prefetched, one layer's gradients before the
@@ -28,6 +32,8 @@ from torch import Tensor
 
 from common.config import DrafterConfig, JobConfig
 from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, tracked_peak
+from common.packed_batch import ITEM_BYTES
+from consumer.copy_out import copy_out_rows, planned_device_bytes
 from consumer.objective import anchor_budget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,12 +118,15 @@ def step_peak(
     feature_dtype: str,
     cuda: bool,
     anchors: int | None = None,
+    features_outside: bool = False,
 ) -> dict[str, int]:
     """Peak bytes of the drafter's training (two steps: the second has Adam's moments) at `tokens` tokens per
-    batch in sequences of `max_length`, and the parts of it that are state; fake tensors throughout."""
+    batch in sequences of `max_length`, and the parts of it that are state; fake tensors throughout.
+    `features_outside`: the batch's features are the copy-out's buffers, planned apart (not in the peak)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from consumer.dflash2 import DFlash2Drafter, make_drafter
+    from consumer.dspark import DSparkDrafter
     from consumer.loss import chunked_lm_head_loss
     from consumer.objective import attention_masks, build_draft_batch
     from consumer.optim import build_optimizer
@@ -152,10 +161,14 @@ def step_peak(
         optimizer, _ = build_optimizer(cfg, model.named_parameters(), lambda step: 1.0)  # the trainer's own
         torch_optimizers = list(optimizer.torch_optimizers().values()) if cfg.optimizer == "muon" else [optimizer]
 
-        def one_step():
+        def features() -> Tensor:
             hidden = torch.empty(tokens, arch.num_features * arch.hidden_size, dtype=DTYPES[feature_dtype])
-            if autocast is None:
-                hidden = hidden.float()
+            return hidden if autocast else hidden.float()
+
+        copied_out = features() if features_outside else None  # made before the tracker: not in its peak
+
+        def one_step():
+            hidden = copied_out if copied_out is not None else features()
             kinds = set(arch.attention_layers)
             masks = (
                 _block_masks(batch, kinds, tokens, anchors)
@@ -171,6 +184,9 @@ def step_peak(
                     # its weights, gradients and moments are planned; the selector loss's activations (one chunk
                     # at a time, recomputed in backward) are not: MemTracker refuses a module called per chunk
                     loss_sum = loss_sum + 0.0 * sum(p.sum() for p in model.candidate_selector.parameters())
+                if isinstance(model, DSparkDrafter):  # the same for DSpark's Markov and confidence heads
+                    heads = (*model.markov_head.parameters(), *model.confidence_head.parameters())
+                    loss_sum = loss_sum + 0.0 * sum(p.sum() for p in heads)
             loss_sum.backward()
             weight = batch.weights.sum()
             torch._foreach_mul_([p.grad for p in params], 1.0 / weight.clamp_min(1e-12))
@@ -213,6 +229,12 @@ def fsdp_peak(step: dict[str, int], world: int) -> int:
     return int(step["peak"] - sharded * (1 - 1 / world) + 3 * 4 * step["largest_unit"])
 
 
+def copy_out_bytes(job: JobConfig, feature_width: int, cuda: bool = True) -> int:
+    """A consumer's copy-out buffers on its device (consumer/copy_out.py): one CopyOut for all the producers
+    feeding it (consumer/build.py build_stream), so the number of producers does not enter."""
+    return planned_device_bytes(copy_out_rows(job), feature_width, ITEM_BYTES[job.target.dtype], cuda)
+
+
 def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:
     """One entry per consumer on a CUDA device, plus its context on each ring GPU it reads."""
     from consumer.model import DrafterArch
@@ -243,8 +265,10 @@ def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:
             job.data.max_length,
             job.target.dtype,
             cuda=True,
+            features_outside=True,
         )
         peak = fsdp_peak(step, d.replicas) if d.distributed == "fsdp" else step["peak"]
+        copy_out = copy_out_bytes(job, n * arch.hidden_size)
         for r in cuda:
             dev, name = d.device_of(r), f"consumer-{d.name}-r{r}"
             out.append(
@@ -253,6 +277,7 @@ def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:
                     dev,
                     {
                         "frozen_embed_head": step["frozen"],
+                        "copy_out": copy_out,
                         "train_step": peak - step["frozen"],
                         "cuda_context": CUDA_CONTEXT_BYTES,
                     },

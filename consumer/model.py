@@ -108,10 +108,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:  # normalised in float32, as Qwen3 does
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalised in float32 and returned in x's dtype, as Qwen3 does (its `weight * x.to(input_dtype)`
+        with the weight in the model's dtype): under bf16 autocast the float32 master weight is cast too, so
+        the projections that follow get one bf16 input to save, not a float32 one each casts and saves again."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight.to(x.dtype) * xf.to(x.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -153,7 +156,7 @@ def attend(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor
     [Q, T+Q] tensor over the full key axis (drafting with a window); or None (drafting: one block that
     sees every context row and itself).
     """
-    dtype = v_ctx.dtype  # under autocast the norms return float32 while v is bf16; flex needs one dtype
+    dtype = v_ctx.dtype  # flex needs one dtype (the norms return their input's: q and k are already v's)
     Q = q.shape[0]
     q = q.to(dtype)
     if isinstance(mask, (FlexMask, BlockMask)):

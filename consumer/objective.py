@@ -103,7 +103,7 @@ class DraftBatch:
     anchor_seq: Tensor  # [A]
     block_ids: Tensor  # [Q] [x_p, MASK × (B-1)] per anchor
     block_pos: Tensor  # [Q] p+k (in-sequence positions)
-    labels: Tensor  # [Q] x[p+k]: NOT shifted; slot k predicts the token at p+k
+    labels: Tensor  # [Q] x[p+k]: NOT shifted; slot k predicts the token at p+k (next_token: x[p+k+1])
     weights: Tensor  # [Q] float32 w_k where slot k carries loss, else 0
     num_candidates: int  # candidate anchor positions of the batch (host count), whatever was drawn
 
@@ -134,9 +134,12 @@ class DraftBatch:
         )
 
 
-def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> Tensor:
-    """[B] w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/γ) for k ≥ 1."""
+def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cpu", next_token: bool = False) -> Tensor:
+    """[B] w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/γ) for k ≥ 1; next_token (DSpark: slot k predicts
+    x[p+k+1], the anchor's slot too): w_k = exp(-k/γ) for every k (DeepSpec's loss weights)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if next_token:
+        return torch.exp(-k / gamma)
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
@@ -236,10 +239,14 @@ def build_draft_batch(
     generator: torch.Generator,
     partial_blocks: bool = True,
     max_anchors: int | None = None,
+    next_token: bool = False,
 ) -> DraftBatch:
     """Anchors (resampled from `generator` at every call), block inputs, positions, labels and weights
     of one packed batch: input_ids [T] on the training device; loss_mask [T] and cu_seqlens [nseq+1] as
-    HOST tensors (they size the step). max_anchors: the batch's budget (`anchor_budget`), None: none."""
+    HOST tensors (they size the step). max_anchors: the batch's budget (`anchor_budget`), None: none.
+    next_token (DSpark, sample_from_anchor): slot k's label is x[p+k+1] (slot 0, the anchor's, predicts
+    too), supervised while x[p+k+1] is in the sequence with loss_mask 1 and every earlier slot was (DeepSpec's
+    contiguous eval_mask); the same anchors, block inputs, positions and mask as DFlash's."""
     device, T, B = input_ids.device, input_ids.numel(), block_size
     cu_host = _host_cu_seqlens(_host("cu_seqlens", cu_seqlens), T)
     loss_mask_host = _host("loss_mask", loss_mask)
@@ -266,10 +273,13 @@ def build_draft_batch(
     anchor_seq = token_seq[anchor_tok]
     k = torch.arange(B, device=device)
     block_pos = ctx_pos[anchor_tok][:, None] + k  # [A, B] positions p+k
-    label_tok = (anchor_tok[:, None] + k).clamp(max=T - 1)  # [A, B] packed index of x[p+k]
-    in_seq = block_pos < lengths[anchor_seq][:, None]
-    has_loss = (k >= 1) & in_seq & (loss_mask[label_tok] != 0)
-    weights = slot_weights(B, gamma, device) * has_loss
+    shift = int(next_token)
+    label_tok = (anchor_tok[:, None] + k + shift).clamp(max=T - 1)  # [A, B] packed index of x[p+k] (x[p+k+1])
+    in_seq = block_pos + shift < lengths[anchor_seq][:, None]
+    has_loss = (k >= 1 - shift) & in_seq & (loss_mask[label_tok] != 0)
+    if next_token:
+        has_loss = has_loss.int().cumprod(dim=1).bool()
+    weights = slot_weights(B, gamma, device, next_token) * has_loss
 
     block_ids = torch.full((anchor_tok.numel(), B), mask_token_id, dtype=input_ids.dtype, device=device)
     block_ids[:, 0] = input_ids[anchor_tok]

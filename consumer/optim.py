@@ -1,18 +1,19 @@
 """The drafter's optimizer and lr schedule from its config: fused AdamW, or Muon with AdamW for the rest.
 
-`optimizer = "muon"` (speculators' split, recipes.md §4): torch.optim.Muon for every trainable 2-D matrix
-with min(shape) > 1 whose name holds none of `embed`, `lm_head`, `codebook` (the attention and MLP
+`optimizer = "muon"` (speculators' split, recipes.md §4): Muon (consumer/muon.py: torch.optim.Muon's arithmetic,
+its Newton–Schulz split over the replicas) for every trainable 2-D matrix
+with min(shape) > 1 whose name holds none of `embed`, `lm_head`, `codebook`, `markov` (the attention and MLP
 projections, the `fc` fusion); AdamW for everything else (norm scales, biases, 1-D, degenerate and 3-D
-tensors, codebooks). The two step together as one optimizer (`MuonWithAdamW`) and share one schedule:
+tensors, codebooks, DSpark's Markov tables: a [V, r] embedding and a [V, r] vocabulary head). The two step together as one optimizer (`MuonWithAdamW`) and share one schedule:
 each optimizer's own LambdaLR with the same factor (`Schedules`).
 
-A non-finite step is skipped as fused AdamW skips it (`found_inf`, no device sync): torch's Muon has no
-such flag, so each matrix and its momentum are restored from a copy taken before its update, on the device,
-one matrix at a time (under FSDP each replica restores its own shards: no collective).
+A non-finite step is skipped as fused AdamW skips it (`found_inf`, no device sync): Muon selects each
+matrix's old weight and momentum with torch.where, one matrix at a time (consumer/muon.py).
 
-Under FSDP (distributed = "fsdp") the parameters are DTensor row shards and torch's Muon still computes
-each whole matrix's Newton-Schulz (DTensor gathers what it needs); a checkpoint holds each torch
-optimizer's state as full tensors (consumer/fsdp_lockstep.py, through `map_torch_states`): the unsharded format.
+With replicas, each matrix's Newton–Schulz runs on one replica and the result is sent to the others
+(`split_over` the group for replicated weights; FSDP's DTensor row shards use their mesh). A checkpoint
+holds each torch optimizer's state as full tensors (consumer/fsdp_lockstep.py, through `map_torch_states`):
+the unsharded format, the same as torch.optim.Muon's.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 from torch import Tensor
 
 from common.config import DrafterConfig
+from consumer.muon import SplitMuon
 
-NOT_MUON = ("embed", "lm_head", "codebook")  # names routed to AdamW whatever their shape
+NOT_MUON = ("embed", "lm_head", "codebook", "markov")  # names routed to AdamW whatever their shape
 
 
 def is_muon_param(name: str, p: Tensor) -> bool:
@@ -43,7 +45,7 @@ def _adamw(cfg: DrafterConfig, params: list[Tensor]) -> torch.optim.AdamW:
 class MuonWithAdamW:
     """Muon and AdamW stepped, zeroed and saved as one optimizer (the interface the trainer uses)."""
 
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+    def __init__(self, muon: SplitMuon, adamw: torch.optim.AdamW):
         self.muon = muon
         self.adamw = adamw
         self.found_inf: Tensor | None = None  # set before step(): 1.0 skips the whole update
@@ -56,27 +58,12 @@ class MuonWithAdamW:
     def step(self) -> None:
         self.adamw.found_inf = self.found_inf
         self.adamw.step()
-        if self.found_inf is None:
-            self.muon.step()
-            return
-        # one matrix at a time (Muon stepped on a one-parameter view of its group): the copies the skip restores
-        # from are one weight and its momentum, never all of them (the memory plan counts this step)
-        skip = self.found_inf > 0
-        groups = self.muon.param_groups
-        try:
-            for group in groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    self.muon.param_groups = [{**group, "params": [p]}]
-                    buf = self.muon.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                    state = (_local(p), _local(buf))
-                    before = [t.clone() for t in state]
-                    self.muon.step()
-                    for t, old in zip(state, before, strict=True):
-                        t.copy_(torch.where(skip, old, t))
-        finally:
-            self.muon.param_groups = groups
+        self.muon.found_inf = self.found_inf
+        self.muon.step()
+
+    def split_over(self, process_group) -> None:
+        """Newton–Schulz of replicated weights split over the replicas' group (consumer/muon.py)."""
+        self.muon.split_over(process_group)
 
     def torch_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """Each torch optimizer under its key in state_dict()."""
@@ -92,13 +79,6 @@ class MuonWithAdamW:
     def load_state_dict(self, state: dict) -> None:
         self.muon.load_state_dict(state["muon"])
         self.adamw.load_state_dict(state["adamw"])
-
-
-def _local(t: Tensor) -> Tensor:
-    """This replica's shard of a DTensor (its storage: writes land in the DTensor), else `t` itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def map_torch_states(optimizer, state: dict, fn: Callable[[torch.optim.Optimizer, dict], dict]) -> dict:
@@ -151,7 +131,7 @@ def build_optimizer(cfg: DrafterConfig, named_params: Iterable[tuple[str, Tensor
         return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, factor)
     muon_params = [p for n, p in named if is_muon_param(n, p)]
     rest = [p for n, p in named if not is_muon_param(n, p)]
-    muon = torch.optim.Muon(
+    muon = SplitMuon(
         muon_params,
         lr=cfg.muon_lr if cfg.muon_lr is not None else cfg.lr,
         weight_decay=cfg.muon_weight_decay,

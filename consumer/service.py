@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from common.accounting import TrainLedger
 from common.profile import ProfileStats
+from common.protocol import DATA_EXHAUSTED
 from common.startup import StartupBeat
 from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
@@ -120,6 +121,7 @@ class ConsumerService:
         self._round: ReceivedBatch | None = None  # trained (forward + backward), round not closed yet
         self._round_tokens = 0
         self._ended: StreamEnd | None = None
+        self._plan_done = False  # every replica's stream ended on "data exhausted": the job is finished
         self._fault: tuple[str, str] | None = None  # ("producer_lost" | "rejected", message)
         self._waiting_since = time.monotonic()
         self._step_seqs: list[int] = []  # this replica's batches in the step being accumulated
@@ -177,6 +179,9 @@ class ConsumerService:
                     return self._finish(EXIT_OK, reason)
                 if total.ended == self.group.world_size:
                     reason = self._ended.reason if self._ended else "end of stream"
+                    self._plan_done = total.exhausted == self.group.world_size
+                    if self._plan_done and self._group_tokens:
+                        self._last_partial_step()
                     log.info("%s: end of stream (%s); trained through seq %d", self.name, reason, self.trainer.last_seq)
                     return self._finish(EXIT_OK, reason)
         except GroupError as err:
@@ -250,6 +255,7 @@ class ConsumerService:
         return RoundFlags(
             has_batch=int(self._round is not None),
             ended=int(self._ended is not None),
+            exhausted=int(self._ended is not None and self._ended.reason == DATA_EXHAUSTED),
             starved=int(starved and self._ended is None),
             tokens=self._round_tokens if self._round is not None else 0,
             stop=int(self._stop_reason is not None),
@@ -271,6 +277,18 @@ class ConsumerService:
         tokens_per_step = self.trainer.cfg.tokens_per_step
         if not tokens_per_step or self._group_tokens >= tokens_per_step:
             self._step()
+
+    def _last_partial_step(self) -> None:
+        """The whole plan was delivered and the group holds batches short of tokens_per_step: they make the last
+        step, normalised by what they hold as every step is (no batch of the plan is left untrained). Every
+        replica takes it: the flags that decide it are the group's sums."""
+        log.info(
+            "%s: the plan's last %d token(s) make a partial last step (tokens_per_step = %d)",
+            self.name,
+            self._group_tokens,
+            self.trainer.cfg.tokens_per_step,
+        )
+        self._step()
 
     def _end_startup(self) -> None:
         """Leave the start-up phase (its beat thread stops publishing) before this thread publishes."""
@@ -453,6 +471,11 @@ class ConsumerService:
             except GroupError as err:
                 log.error("%s: no final checkpoint, %s (the previous one is intact)", self.name, err)
                 status = status or EXIT_GROUP_LOST
+        if self.ledger:
+            try:
+                self.ledger.ended(reason, status, self.trainer.step, finished=self._plan_done)
+            except OSError as err:  # a full disk: the checkpoint above is what counts, say why this is missing
+                log.error("%s: could not log the end in the job log: %s", self.name, err)
         if say_bye and self._connected:
             self.stream.bye(reason, self.trainer.last_seq)
         return status

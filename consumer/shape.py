@@ -26,6 +26,10 @@ SHAPE_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "selector_rank": (("dflash_config", "selector_rank"), "drafters.selector_rank"),
     "conv_group_size": (("dflash_config", "conv_group_size"), "drafters.conv_group_size"),
     "conv_kernel_size": (("dflash_config", "conv_kernel_size"), "drafters.conv_kernel_size"),
+    "markov_rank": (("markov_rank",), "drafters.markov_rank"),
+    "output_multiplier": (("dflash_config", "output_multiplier"), "drafters.output_multiplier"),
+    "final_logit_softcapping": (("dflash_config", "final_logit_softcapping"), "drafters.final_logit_softcapping"),
+    "selector_vocab_size": (("dflash_config", "selector_vocab_size"), "drafters.selector_vocab_size"),
     "optimizer": ((), "the optimizer (AdamW)"),
 }
 

@@ -22,7 +22,7 @@ from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome, describe
 from common.ring import SEQ_TAG, RingError, SlotRing, layout_from_wire
 from common.security import client_curve, private_dir
-from consumer.copy_out import CopyOut
+from consumer.copy_out import CopyOut, copy_out_rows
 
 log = logging.getLogger("consumer")
 
@@ -72,11 +72,14 @@ class BatchStream:
         launch_id: str = "",
         stopping: Callable[[], bool] = lambda: False,
         producer: int = 0,
+        copy_out: CopyOut | None = None,
     ):
         """`resume_seq()` gives the next seq this drafter needs (asked again on every re-attachment);
         `launch_id` is the launch this process belongs to (common/joblock.py); `stopping()` is polled while
         waiting for the producer, so a SIGTERM during start-up is honoured at once (raises `StopRequested`);
-        `producer`: which target replica's producer this stream attaches to (consumer/fanin.py holds one each)."""
+        `producer`: which target replica's producer this stream attaches to (consumer/fanin.py holds one each);
+        `copy_out`: the copy-out the node's streams share (one batch is in flight at a time); None: its own, made
+        once the ring is attached."""
         self.job = job
         self.node = node
         self.launch_id = launch_id
@@ -103,7 +106,7 @@ class BatchStream:
         self.dropped_reused = 0  # batches discarded because their slot held another batch by the time we read it
         self.reattached = 0
         self.last_copy_s = 0.0  # copy-out time of the last batch, so callers can tell waiting from copying
-        self._copy: CopyOut | None = None  # made with the ring: it needs to know where the ring lives
+        self._copy = copy_out
         self._session_stalls = 0  # the channel's stall count when this session began
 
     def _tcp_endpoint(self) -> str:
@@ -159,7 +162,8 @@ class BatchStream:
             except RingError as err:
                 self.channel.send(Fail(f"cannot attach the ring: {err}"))
                 raise ConsumerRejected(f"cannot attach the producer's ring: {err}") from err
-            self._copy = CopyOut(self.device, self.ring.device, self.job.data.tokens_per_batch + 1)
+            if self._copy is None:
+                self._copy = CopyOut(self.device, self.ring.device, copy_out_rows(self.job))
         self.epoch = msg.epoch
         self._session_stalls = self.channel.stalls
         self.channel.send(Attached(self.epoch))

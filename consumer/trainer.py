@@ -31,6 +31,7 @@ from common.host_memory import keep_freed_memory
 from common.profile import timed
 from consumer.checkpoint_state import cpu_copy
 from consumer.dflash2 import DFlash2Drafter, SelectorMetrics, make_drafter, selector_loss
+from consumer.dspark import DSparkDrafter, DSparkMetrics, dspark_loss, metric_view, target_rows
 from consumer.export.layout import drafter_shape
 from consumer.fsdp_lockstep import FsdpLockstep
 from consumer.kernels import weighted_ce
@@ -152,6 +153,16 @@ class Trainer:
         self.arch = DrafterArch.from_target(parts, cfg, len(self.target_layer_ids))
         for note in serving_caveats(cfg.block_attention, cfg.attention_layers, cfg.sliding_window, cfg.block_size):
             log.warning("drafter %s: %s", cfg.name, note)
+        if cfg.arch == "dspark" and parts.num_hidden_layers - 1 in self.target_layer_ids:
+            log.warning(
+                "drafter %s: target layer ids %s tap the target's last layer %d, which SGLang does not serve for a"
+                " DSpark drafter (its DSpark worker accepts taps in [-1, %d]); train with target.layer_ids below it"
+                " to serve the export there",
+                cfg.name,
+                self.target_layer_ids,
+                parts.num_hidden_layers - 1,
+                parts.num_hidden_layers - 2,
+            )
         self.model = make_drafter(cfg, self.arch, embed, lm_head, self.seed).to(self.device)  # drafters.arch
         # flex compiled for this run's one padded shape: the full batch and the anchor budget (kernels/flex.py)
         self.flex = (
@@ -164,11 +175,20 @@ class Trainer:
             if self.use_flex
             else None
         )
-        self.slot_loss = slot_loss(cfg.loss, cfg.block_size, cfg.dpace_alpha, cfg.dpace_normaliser)
+        # DSpark's loss weights are DeepSpec's static exp(-k/γ), normalised by Σw (consumer/dspark.py)
+        loss = "decay" if cfg.arch == "dspark" else cfg.loss
+        self.slot_loss = slot_loss(loss, cfg.block_size, cfg.dpace_alpha, cfg.dpace_normaliser)
         self._build_optimizer()
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
-        self.metrics = DraftMetrics(cfg.block_size, self.device)
+        self.dspark = isinstance(self.model, DSparkDrafter)
+        last = (
+            parts.num_hidden_layers - 1
+        )  # DSpark's L1 against the target's distribution when its last layer is tapped
+        self.dspark_target_block = self.target_layer_ids.index(last) if last in self.target_layer_ids else None
+        # DSpark's B slots all predict: read as a DFlash block of B+1 with a label-less anchor (dspark.metric_view)
+        self.metrics = DraftMetrics(cfg.block_size + int(self.dspark), self.device)
+        self.dspark_metrics = DSparkMetrics(self.device)  # DSpark only
         self.nonfinite = SkipCounters(self.device)  # steps skipped for a non-finite loss or gradient
         self.selector_metrics = SelectorMetrics(self.device)  # DFlash2 only
         self._nonfinite_logged = 0
@@ -278,6 +298,7 @@ class Trainer:
             generator=generator,
             partial_blocks=cfg.partial_blocks,
             max_anchors=self.max_anchors,
+            next_token=cfg.arch == "dspark",  # DSpark slots predict x[p+k+1] (sample_from_anchor)
         )
         masks = attention_masks(
             batch,
@@ -310,9 +331,28 @@ class Trainer:
             cand = torch.empty(h.shape[0], cfg.selector_top_k, dtype=torch.int64, device=dev) if dflash2 else None
             weights = self.slot_loss.base_weights(batch.weights)
             used = torch.empty(weights.shape, dtype=torch.float32, device=dev) if dflash2 else None
-            loss_sum, correct = chunked_lm_head_loss(
-                h, self.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, self.slot_loss, cand, used
-            )
+            if self.dspark:  # ce·CE + l1·L1 + confidence·BCE with the Markov bias (consumer/dspark.py)
+                loss_sum, correct, dspark_stats = dspark_loss(
+                    self.model,
+                    h,
+                    batch.block_ids,
+                    batch.labels,
+                    weights,
+                    cfg.loss_chunk_rows,
+                    self.dspark_targets(hidden, batch),
+                )
+            else:
+                loss_sum, correct = chunked_lm_head_loss(
+                    h,
+                    self.model.lm_head,
+                    batch.labels,
+                    weights,
+                    cfg.loss_chunk_rows,
+                    self.slot_loss,
+                    cand,
+                    used,
+                    self.model.shape.selector_vocab_size if dflash2 else None,  # DFlash2's candidates' ids
+                )
             if dflash2:  # L = L_unary + α·L_sel, one normaliser (consumer/dflash2.py)
                 # the selector's slots weighed as the unary loss weighed them (D-PACE: its weights of this batch)
                 sel_sum, sel_stats = selector_loss(self.model, h, batch.labels, used, cfg.loss_chunk_rows, cand)
@@ -324,12 +364,24 @@ class Trainer:
         normaliser = self.slot_loss.normaliser(weights, batch.num_sequences)  # summed over the step's rounds, replicas
         self._pending_loss += loss_sum.detach()
         self._pending_weight += normaliser
-        self.metrics.add(loss_sum, correct, weights, normaliser)
+        if self.dspark:
+            self.metrics.add(loss_sum, *metric_view(correct, weights, cfg.block_size), normaliser)
+            self.dspark_metrics.add(dspark_stats)
+        else:
+            self.metrics.add(loss_sum, correct, weights, normaliser)
         if isinstance(self.model, DFlash2Drafter):
             self.selector_metrics.add(sel_stats)
         if self.prof:
             self.prof.count("anchors", batch.num_anchors)  # host counts (no sync)
             self.prof.count("candidates", batch.num_candidates)
+
+    def dspark_targets(self, hidden: Tensor, batch: DraftBatch) -> Tensor | None:
+        """DSpark's target rows [Q, H] (consumer/dspark.py target_rows) when the job taps the target's last layer."""
+        if self.dspark_target_block is None:
+            return None
+        return target_rows(
+            hidden, batch.anchor_tok, self.cfg.block_size, self.dspark_target_block, self.arch.hidden_size
+        )
 
     def optimizer_step(self, seq: int) -> dict[str, float] | None:
         """Close the step whose last batch is `seq`; returns the metrics dict on log steps, else None.
@@ -398,6 +450,8 @@ class Trainer:
         out = self.metrics.read()
         if isinstance(self.model, DFlash2Drafter):
             out.update(self.selector_metrics.read())
+        if self.dspark:
+            out.update(self.dspark_metrics.read())
         out.update(
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=float(self._grad_norm),

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from consumer.best_checkpoint import BestCheckpoint, Candidate
 from consumer.distributed import collective
+from consumer.dspark import dspark_loss, metric_view
 from consumer.loss import DraftMetrics, chunked_lm_head_loss
 
 log = logging.getLogger("consumer")
@@ -46,7 +47,7 @@ class Evaluator:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.metrics = DraftMetrics(trainer.cfg.block_size, trainer.device)
+        self.metrics = DraftMetrics(trainer.cfg.block_size + int(trainer.dspark), trainer.device)
         self._pass = 0
         self._seen = 0
         self._samples: list[int] = []
@@ -125,6 +126,21 @@ class Evaluator:
             with autocast:
                 out = tr.model(h, batch.ctx_pos, batch.block_ids, batch.block_pos, masks)
                 weights = tr.slot_loss.base_weights(batch.weights)  # the training objective's (D-PACE: the mask)
+                if tr.dspark:  # its own loss; slots read as a DFlash block with the anchor first (consumer/dspark.py)
+                    loss_sum, correct, _ = dspark_loss(
+                        tr.model,
+                        out,
+                        batch.block_ids,
+                        batch.labels,
+                        weights,
+                        cfg.loss_chunk_rows,
+                        tr.dspark_targets(h, batch),
+                    )
+                    return (
+                        loss_sum,
+                        *metric_view(correct, weights, cfg.block_size),
+                        tr.slot_loss.normaliser(weights, batch.num_sequences),
+                    )
                 loss_sum, correct = chunked_lm_head_loss(
                     out, tr.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, tr.slot_loss
                 )

@@ -10,7 +10,7 @@ Before any tensor is copied, the directory's config is checked against the draft
 layer ids, hidden size, block size, vocabulary, layers, heads, intermediate size, layer kinds and window,
 mask token, the sliding layers' in-block rule as the engines serve it); then every tensor's name and shape.
 A mismatch is one line naming the file, the key, what it holds and what the job has (exit 2 at start-up).
-`may_be_missing` names parameters the directory may lack (a DFlash2 drafter warm-started from a DFlash1
+`may_be_missing` names parameters the directory may lack (a DFlash2 or DSpark drafter warm-started from a DFlash1
 one): they keep their initialisation (identity for DFlash2's new parts).
 """
 
@@ -24,8 +24,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from common.checkpoint_pointer import read_pointer
-from common.config import dflash_layer_ids
+from common.config import DrafterConfig, dflash_layer_ids
 from consumer.dflash2 import DFlash2Drafter
+from consumer.dspark import DSPARK_ARCHITECTURE, DSparkDrafter
 from consumer.export.layout import trainer_export_config
 from consumer.sliding_rule import SlidingRuleError, served_rule
 
@@ -69,6 +70,34 @@ def _dflash(config: dict, key: str):
     return inner[key] if key in inner else config.get(key)
 
 
+# DFlash2's optional serving keys (consumer/dflash2.py DFlash2Shape): a job that leaves them unset takes them from
+# its init_from directory (`with_published_serving_keys`), a job that sets them must agree with it (check_config)
+DFLASH2_SERVING_KEYS = ("output_multiplier", "final_logit_softcapping", "selector_vocab_size")
+
+
+def with_published_serving_keys(cfg: DrafterConfig) -> DrafterConfig:
+    """`cfg` with the DFlash2 serving keys it leaves unset taken from its init_from directory's config.json
+    (dflash_config, or the top level), e.g. z-lab's output_multiplier 0.196 and final_logit_softcapping 20; the
+    same config otherwise (not DFlash2, no init_from, a key the job sets, or a directory that cannot be read: the
+    warm start names that one)."""
+    if cfg.arch != "dflash2" or cfg.init_from is None:
+        return cfg
+    try:
+        config = read_config(resolve_dir(cfg.init_from))
+    except WarmStartError:
+        return cfg
+    found = {k: _dflash(config, k) for k in DFLASH2_SERVING_KEYS if getattr(cfg, k) is None}
+    found = {k: v for k, v in found.items() if v is not None}
+    if found:
+        log.info(
+            "drafter %s: %s from init_from %s",
+            cfg.name,
+            ", ".join(f"{k} = {v}" for k, v in found.items()),
+            cfg.init_from,
+        )
+    return cfg.model_copy(update=found) if found else cfg
+
+
 def published_shape(config: dict, source: str) -> dict:
     """The shape keys of a published config.json, read as SGLang reads them (None: not stated)."""
     kinds = config.get("layer_types")
@@ -98,6 +127,8 @@ def published_shape(config: dict, source: str) -> dict:
         "sliding_block_attention": rule,
         "mask_token_id": _dflash(config, "mask_token_id"),
         "rope_theta": config.get("rope_theta", rope.get("rope_theta")),
+        "num_target_layers": _dflash(config, "num_target_layers"),
+        **{key: _dflash(config, key) for key in DFLASH2_SERVING_KEYS},
     }
 
 
@@ -117,6 +148,10 @@ JOB_KEYS = {
     "sliding_block_attention": "drafters.sliding_block_attention (exported as is_causal)",
     "mask_token_id": "drafters.mask_token_id",
     "rope_theta": "drafters.rope_theta",
+    "num_target_layers": "the target's num_hidden_layers (target.path)",
+    "output_multiplier": "drafters.output_multiplier",
+    "final_logit_softcapping": "drafters.final_logit_softcapping",
+    "selector_vocab_size": "drafters.selector_vocab_size",
 }
 
 
@@ -136,7 +171,12 @@ def check_config(config: dict, mine: dict, source: str, drafter: str, grows_from
             f"{source}: no dflash_config.target_layer_ids (nor num_target_layers to derive"
             " them): the target features the drafter was trained on are unknown"
         )
+    # DSpark from DFlash1: the copied weights (layers, fc, norms) do not depend on the block size, and DSpark's
+    # slots mean another thing (each predicts the next token), so peers train it at its own block size
+    into_dspark = grows_from_dflash1 and my_arch == [DSPARK_ARCHITECTURE] and theirs_arch == DFLASH1
     for key, job_key in JOB_KEYS.items():
+        if into_dspark and key == "block_size":
+            continue
         found, want = theirs[key], mine[key]
         if found is None or (key == "sliding_block_attention" and want is None):
             continue  # not stated there (the tensors' shapes still are checked), or no sliding layer here
@@ -236,8 +276,11 @@ def job_config(trainer) -> dict:
 def grown_parameters(model, config: dict) -> frozenset[str]:
     """The parameters a DFlash2 drafter may keep at their identity initialisation when the directory is a
     DFlash1 drafter's (consumer/dflash2.py); nothing otherwise."""
-    if isinstance(model, DFlash2Drafter) and (config.get("architectures") or DFLASH1) == DFLASH1:
+    from_dflash1 = (config.get("architectures") or DFLASH1) == DFLASH1
+    if isinstance(model, DFlash2Drafter) and from_dflash1:
         return frozenset(model.identity_init_params(model.arch.num_layers))
+    if isinstance(model, DSparkDrafter) and from_dflash1:  # the Markov and confidence heads start fresh
+        return frozenset(model.HEAD_PARAMS)
     return frozenset()
 
 
@@ -258,11 +301,13 @@ def warm_start(trainer, path: str | Path, may_be_missing: frozenset[str] | None 
             params[key].copy_(tensor.to(params[key].dtype))
     kept = sorted(set(params) - set(named))
     log.info(
-        "drafter %s starts from %s: %d tensors%s; fresh optimizer at step 0",
+        "drafter %s starts from %s: %d tensors copied%s; fresh optimizer at step 0",
         trainer.cfg.name,
         root,
         len(named),
-        f", {len(kept)} kept at their initialisation ({', '.join(kept[:4])})" if kept else "",
+        f", {len(kept)} new, kept at their initialisation ({', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''})"
+        if kept
+        else "",
     )
     return root
 

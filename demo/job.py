@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from common import joblock
 from common.accounting_check import read_records
 from common.accounting_validation import held_out_curve
 from common.checkpoint_pointer import BEST, read_pointer
 from common.config import load_job
 from common.job_file import job_text
+from common.supervisor import watch_supervisor
 from demo.corpus import generate_corpus, split_corpus
 from demo.pretrain import TargetShape, greedy_accuracy, pretrain_target
 from demo.tiny import train_tokenizer, write_jsonl
@@ -266,8 +268,18 @@ def job_doc(
 
 def prepare_demo(run_dir: str | Path, *, quick: bool, seed: int = 0, threads: int = BUILD_THREADS) -> Path:
     """Build the demo's assets under run_dir/assets unless a complete build of the same size is there;
-    write run_dir/demo.toml and return its path."""
+    write run_dir/demo.toml and return its path. Holds the job lock throughout (common/joblock.py): a
+    second prepare, or a launch of the demo job, is refused (JobLocked, naming the holder) instead of
+    deleting the assets under a build or a training that runs."""
     run_dir = Path(run_dir).resolve()
+    lock = joblock.exclusive(run_dir, "python -m demo prepare")
+    try:
+        return _prepare(run_dir, quick, seed, threads)
+    finally:
+        lock.release()
+
+
+def _prepare(run_dir: Path, quick: bool, seed: int, threads: int) -> Path:
     size = QUICK if quick else FULL
     assets = run_dir / "assets"
     ready = assets / READY
@@ -362,8 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", action="store_true", help="print every report as one JSON object, last")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
+        watch_supervisor()  # launch.sh killed while the assets build: the build stops too, releasing the lock
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the job path alone (launch.sh reads it)
-            job = prepare_demo(args.run_dir, quick=args.quick, seed=args.seed, threads=args.threads)
+            try:
+                job = prepare_demo(args.run_dir, quick=args.quick, seed=args.seed, threads=args.threads)
+            except joblock.JobLocked as err:
+                print(f"demo: {err}", file=sys.stderr)
+                return 75  # as launch.sh refuses a second launch
         print(job)
         return 0
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():

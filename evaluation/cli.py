@@ -24,7 +24,8 @@ import torch
 from transformers import AutoTokenizer
 
 from evaluation.benchmarks import BENCHMARKS, BenchmarkDataError, load_benchmark
-from evaluation.evaluate import DTYPES, format_report, load_drafter, load_target, run_eval
+from evaluation.block_size import check_block_size
+from evaluation.evaluate import DTYPES, format_report, load_drafter, load_target, resolve_export_dir, run_eval
 from evaluation.server import ServerError
 
 
@@ -89,6 +90,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--chat-template-kwargs", help="a JSON object merged into chat_template_kwargs")
     ap.add_argument("--seed", type=int, default=0, help="torch seed for sampling (temperature > 0)")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the block size to serve the drafters at; it must be the one each was trained with (the default)",
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -224,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.temperature >= 0.0:
             raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
         kwargs = chat_kwargs(args.thinking, args.chat_template_kwargs)
+        for _, path in map(drafter_arg, args.drafter or []):  # another block than the trained one: refused
+            check_block_size(resolve_export_dir(path), args.block_size)
         if args.server:
             return _server_main(args, kwargs)
         return _bench_main(args, kwargs) if args.bench else _prompts_main(args)

@@ -13,15 +13,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from common.checkpoint_pointer import read_pointer
 from consumer.dflash2 import DFlash2Drafter, DFlash2Proposer, DFlash2Shape
+from consumer.dspark import DSPARK_ARCHITECTURE, DSparkDrafter, DSparkProposer, shape_from_export
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.sliding_rule import served_rule
 from consumer.target_parts import load_target_parts
+from evaluation.drafter_folder import EMBEDDING_KEYS, check_mask_token, check_state, load_weights, read_config
 from evaluation.side_by_side import first_difference
 from evaluation.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
 
@@ -52,23 +53,27 @@ def resolve_export_dir(path: str | Path) -> Path:
     path = Path(path)
     if (name := read_pointer(path)) is not None:
         path = path / name
-    for name in ("config.json", "model.safetensors"):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"drafter checkpoint {path}: no {name} (expected a DFlash export directory)")
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    for names in (("config.json",), weights):
+        if not any((path / name).is_file() for name in names):
+            raise FileNotFoundError(f"drafter checkpoint {path}: no {names[0]} (expected a DFlash export directory)")
     return path
 
 
 def load_drafter(
     ckpt: str | Path, target_path: str | Path, dtype: str = "float32", device: str = "cpu"
-) -> DFlashProposer | DFlash2Proposer:
-    """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head."""
+) -> DFlashProposer | DFlash2Proposer | DSparkProposer:
+    """Build the drafter of an exported checkpoint on top of the target's frozen embedding and lm_head.
+    The folder is checked first (evaluation/drafter_folder.py): a fault is one DrafterFolderError line."""
     path = resolve_export_dir(ckpt)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_config(path)
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
-    if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
+    if archs == [DSPARK_ARCHITECTURE] and "dflash_config" not in cfg:  # DeepSpec's layout: the keys at the top level
+        cfg = {**cfg, "dflash_config": {k: cfg[k] for k in ("mask_token_id", "target_layer_ids") if k in cfg}}
+    if archs not in (["DFlashDraftModel"], ["DFlash2DraftModel"], [DSPARK_ARCHITECTURE]):
         raise ValueError(
-            f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel and"
-            " DFlash2DraftModel drafters evaluate here"
+            f"{path / 'config.json'}: architectures {archs}: only DFlashDraftModel, DFlash2DraftModel and"
+            f" {DSPARK_ARCHITECTURE} drafters evaluate here"
         )
     try:
         dflash = cfg["dflash_config"]
@@ -102,19 +107,37 @@ def load_drafter(
             f"drafter {path} (hidden {arch.hidden_size}, vocab {cfg.get('vocab_size')}) does not fit the target"
             f" {target_path} (hidden {parts.hidden_size}, vocab {parts.vocab_size})"
         )
-    state = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(path / "model.safetensors")).items()}
+    check_mask_token(cfg, parts.vocab_size, path / "config.json", target_path)
+    found, weights_file = load_weights(path)
+    state = {k: v.to(DTYPES[dtype]) for k, v in found.items()}
+    if archs == [DSPARK_ARCHITECTURE]:  # greedy evaluation: the Markov head's sequential walk (consumer/dspark.py)
+        # DeepSpec saves its frozen copies of the target's embedding and head: the target's own are used
+        state = {k: v for k, v in state.items() if k not in EMBEDDING_KEYS}
+        model3 = DSparkDrafter(
+            arch, shape_from_export(cfg, str(path / "config.json")), parts.embed_tokens, parts.lm_head
+        )
+        check_state(state, model3.state_dict(), weights_file, cfg)
+        model3.load_state_dict(state, strict=True)
+        return DSparkProposer(model3.to(device), mask_token_id, layer_ids)
     if archs == ["DFlash2DraftModel"]:  # greedy evaluation: the selector's walk (consumer/dflash2.py)
         try:
             shape = DFlash2Shape(
                 block_size,
                 *(int(dflash[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+                output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+                final_logit_softcapping=float(dflash["final_logit_softcapping"] or 0.0) or None
+                if "final_logit_softcapping" in dflash
+                else None,
+                selector_vocab_size=dflash.get("selector_vocab_size"),
             )
         except KeyError as err:
             raise KeyError(f"{path / 'config.json'}: required field dflash_config.{err.args[0]} is missing") from None
         model2 = DFlash2Drafter(arch, shape, parts.embed_tokens, parts.lm_head)
+        check_state(state, model2.state_dict(), weights_file, cfg)
         model2.load_state_dict(state, strict=True)
         return DFlash2Proposer(model2.to(device), mask_token_id, layer_ids)
     model = DFlashDrafter(arch, parts.embed_tokens, parts.lm_head)
+    check_state(state, model.state_dict(), weights_file, cfg)
     model.load_state_dict(state, strict=True)
     return DFlashProposer(model.to(device), block_size, mask_token_id, layer_ids)
 
@@ -154,7 +177,7 @@ class EvalReport:
     prompts: int
     generated_tokens: int
     tau: float  # mean over responses of each response's mean acceptance length
-    tau_histogram: list[int]  # [k-1] = number of steps that accepted k tokens, k = 1..B
+    tau_histogram: list[int]  # [k-1] = number of steps that accepted k tokens, k = 1..verify width (B; DSpark B+1)
     target_forwards_per_token: float  # speculative; plain greedy is 1.0
     plain_seconds: float
     speculative_seconds: float
@@ -209,7 +232,7 @@ def evaluate(
                 }
             )
     return EvalReport(
-        block_size=B,
+        block_size=getattr(drafter, "trained_block_size", B),  # DSpark: the trained block (B drafts, verify B+1)
         prompts=len(ids),
         generated_tokens=tokens,
         tau=sum(taus) / len(taus) if taus else 1.0,

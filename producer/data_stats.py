@@ -29,21 +29,23 @@ class DrafterSteps:
     tokens_per_step: int
     planned_steps: int
     total_steps: int  # configured: the lr schedule's length
-    leftover_tokens: int  # tokens at the end of the plan that do not complete a step (never stepped)
+    leftover_tokens: int  # tokens of the plan's last step when they fall short of tokens_per_step (0: none short)
 
 
 def planned_steps(batch_tokens: list[int], replicas: int, tokens_per_step: int) -> tuple[int, int]:
-    """Optimizer steps the consumers take over batches of these sizes, in plan order, and the tokens left.
+    """Optimizer steps the consumers take over batches of these sizes, in plan order, and the tokens of the
+    last step when it falls short of `tokens_per_step` (0: it does not).
 
     As consumer/service.py counts them: a round is one batch per replica; the group steps after a round
-    once `tokens_per_step` tokens were trained since its last step (0: after every round).
+    once `tokens_per_step` tokens were trained since its last step (0: after every round), and once more at
+    the plan's end when batches short of a step remain (a partial last step).
     """
     steps, pending = 0, 0
     for first in range(0, len(batch_tokens), replicas):
         pending += sum(batch_tokens[first : first + replicas])
         if not tokens_per_step or pending >= tokens_per_step:
             steps, pending = steps + 1, 0
-    return steps, pending
+    return steps + (pending > 0), pending
 
 
 def length_histogram(lengths: np.ndarray, max_length: int) -> list[tuple[int, int, int]]:
@@ -134,7 +136,7 @@ def render(report: dict) -> str:
     ]
     for d in report["drafters"]:
         accum = f"tokens_per_step {d['tokens_per_step']}" if d["tokens_per_step"] else "one round a step"
-        left = f", {d['leftover_tokens']} tokens at the end make no step" if d["leftover_tokens"] else ""
+        left = f", the last step partial: {d['leftover_tokens']} tokens" if d["leftover_tokens"] else ""
         lines.append(
             f"drafter {d['name']}: {d['planned_steps']} optimizer steps ({d['replicas']} replica(s), {accum}{left});"
             f" total_steps = {d['total_steps']}"

@@ -1,7 +1,9 @@
 """The producer loop: data → target forward → slot → BATCH to every drafter group → releases.
 
-One target forward serves every drafter. The loop reads top to bottom in `run()`; message handling,
-slot waits and the end of the job are the helpers below it; evaluation passes are run by
+One target forward serves every drafter. On a CUDA ring the next batch's forward is queued before the last
+one's writes are waited for and it is published (one batch in flight), so the GPU never idles between two
+forwards; a CPU forward is synchronous and is published at once. The loop reads top to bottom in `run()`;
+message handling, slot waits and the end of the job are the helpers below it; evaluation passes are run by
 producer/validation_passes.py where the loop says one may be due. Every wait is a poll with a timeout.
 """
 
@@ -15,12 +17,13 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from common.accounting import DeliveryLedger
+from common.backoff import Backoff
 from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig
 from common.host_memory import keep_freed_memory
 from common.packed_batch import FIELDS, PackedBatch, required_slot_bytes, slot_items
 from common.profile import ProfileStats, timed
-from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
+from common.protocol import DATA_EXHAUSTED, Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.startup import StartupBeat
@@ -139,9 +142,11 @@ class ProducerService:
             raise
         job.run_paths.control_endpoint(replica).write_text(self.channel.endpoint)
         self._stop_reason: str | None = None
-        self._ended_peers: set[bytes] = set()
         self._stream: Generator[PackedBatch, None, None] | None = None
         self._stream_next = -1
+        # the batch whose forward was queued last, not yet published: (slot, batch, layout)
+        self._in_flight: tuple[int, PackedBatch, list[TensorSpec]] | None = None
+        self.overlap_forwards = self.ring.kind == "cuda"  # a CPU forward is done when it returns: publish at once
         self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
         self._abandoned: list[str] = []  # groups the job ended without (skip mode, none came back in time)
         self.validation = ValidationPasses(
@@ -172,28 +177,40 @@ class ProducerService:
         try:
             if not self._wait_for_groups():
                 return 0 if self._stop_reason else 2  # stopped while waiting is no failure
+            said_end = False
             while self._stop_reason is None:
                 self._handle_messages(timeout_s=0)
-                if self._finished():
+                if self._finished() and (said_end := self._farewell()):
                     break
-                seq = self.delivery.next_seq()
-                if seq is None:  # a group without members holds us back (block mode)
-                    self._timed_wait("wait_consumers")
+                ahead = self._in_flight is not None  # batch n's forward is queued: n+1's goes in behind it
+                seq = self.delivery.next_seq_after(self._in_flight[1].seq) if ahead else self.delivery.next_seq()
+                if seq is None:  # nothing more to make now: batch n goes out; or a group without members holds us
+                    if ahead:
+                        self._publish_in_flight()
+                    else:
+                        self._timed_wait("wait_consumers")
                     continue
-                self.validation.run_due()  # a pass a (re)formed group is due before its next batch
-                slot = self._acquire_slot()
+                if not ahead:
+                    self.validation.run_due()  # a pass a (re)formed group is due before its next batch
+                slot = self.table.acquire() if ahead else self._acquire_slot()
                 if slot is None:
-                    continue  # stop requested, or the recipients changed while we waited
+                    if ahead:  # every other slot is held: batch n goes out, then the usual wait for a slot
+                        self._publish_in_flight()
+                    continue  # or: stop requested, or the recipients changed while we waited
                 batch = self._batch_at(seq)
                 layout = self._write_slot(slot, batch)
-                self._publish(slot, batch, layout)
-                self._end_startup()
-                if self.stats:
-                    self.stats.maybe_publish(
-                        step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use}
-                    )
-            status = self._finish()
-            return 1 if self._abandoned else status
+                if ahead:
+                    self._publish_in_flight()
+                self._in_flight = (slot, batch, layout)
+                if not self.overlap_forwards:
+                    self._publish_in_flight()
+            if self._in_flight is not None:  # made, never sent: its slot is free again, no cursor moved
+                self.table.abort(self._in_flight[0])
+                self._in_flight = None
+            if not said_end:  # stopped: END with the stop's reason
+                self._farewell()
+            self._log_done()
+            return 1 if self._abandoned else 0
         finally:
             self._end_startup()
             self.close()
@@ -230,10 +247,26 @@ class ProducerService:
             self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
         with timed(self.prof, "write_slot"):
             from_host = {f.name: getattr(batch, f.name) for f in FIELDS if f.name != "hidden"}
-            self.ring.end_write(slot, views, from_host, batch.seq)
-        while not self.ring.is_written(slot):  # CUDA: poll the event, keep serving messages meanwhile
-            self._handle_messages(timeout_s=0.0005)
+            self.ring.end_write(slot, views, from_host, batch.seq)  # queued (CUDA): waited for at its publish
         return layout
+
+    def _publish_in_flight(self) -> None:
+        """Send the batch whose forward was queued last, once its writes completed (CUDA: its event, polled
+        with a growing delay while messages are served). A batch made ahead that is no longer the next one
+        (the groups changed meanwhile) goes back unsent: its slot is freed and it is made again when due."""
+        assert self._in_flight is not None
+        slot, batch, layout = self._in_flight
+        self._in_flight = None
+        wait = Backoff()
+        while not self.ring.is_written(slot):
+            self._handle_messages(timeout_s=wait.next())
+        if batch.seq != self.delivery.next_seq():
+            self.table.abort(slot)
+            return
+        self._publish(slot, batch, layout)
+        self._end_startup()
+        if self.stats:
+            self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
 
     def _publish(self, slot: int, batch: PackedBatch, layout: list[TensorSpec]) -> None:
         members = self.delivery.recipients(batch.seq)
@@ -319,14 +352,17 @@ class ProducerService:
             else:
                 group = self.delivery.groups[member.drafter]
                 log.info(
-                    "%s.r%d (pid %d) attached; its group resumes at seq %s",
+                    "%s.r%d (pid %d) attached; its group resumes at seq %s%s",
                     member.drafter,
                     member.replica,
                     member.pid,
                     group.cursor,
+                    f", seqs {sorted(group.replay)} made again (never trained)" if group.replay else "",
                 )
-                if len(group.live()) == 1:  # the group (re)formed
+                if member.formed:  # the group (re)formed at this member's resume seq
                     self.validation.group_formed(member.drafter, group.cursor)
+                if group.ended:  # nothing left for it (it may re-attach after the group's END)
+                    self._end_group(member.drafter)
                 if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
                     log.warning(
                         "%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
@@ -339,6 +375,8 @@ class ProducerService:
                     )
         elif isinstance(msg, Release):
             if self.delivery.member(peer, msg.epoch) is None:
+                # a session that ended (fenced) kept these batches after all: they are no orphans
+                self.delivery.released_late(msg.epoch, [seq for seq, _slot in msg.pairs])
                 self._stale(peer, msg)
                 return
             for seq, slot in msg.pairs:
@@ -387,9 +425,18 @@ class ProducerService:
             self.channel.send(peer, Fail(f"rejected: {problem}", fatal=True))
             self.channel.forget(peer)
             return
-        self.table.reclaim(peer)  # a previous session of this consumer holds nothing any more
-        self._ended_peers.discard(peer)
-        member = self.delivery.join(peer, msg.drafter, msg.replica, msg.pid, msg.resume_seq)
+        # a previous session of this consumer holds nothing any more: what it held unreleased it never trained
+        unreleased = self.table.held_by(peer)
+        self.table.reclaim(peer)
+        member = self.delivery.join(
+            peer,
+            msg.drafter,
+            msg.replica,
+            msg.pid,
+            msg.resume_seq,
+            reattached=msg.ring_attached,
+            unreleased=unreleased,
+        )
         t = self.job.transport
         # a CUDA export must be opened exactly once: a process that holds the ring gets none
         handle = {} if msg.ring_attached else self.ring.handle()
@@ -408,7 +455,7 @@ class ProducerService:
         )
 
     def _fence(self, peer: bytes, reason: str) -> None:
-        member = self.delivery.leave(peer)
+        member = self.delivery.leave(peer, self.table.held_by(peer))
         freed = self.table.reclaim(peer)
         self.channel.forget(peer)
         if member:
@@ -488,28 +535,36 @@ class ProducerService:
 
     def _end_group(self, drafter: str) -> None:
         for m in self.delivery.groups[drafter].live():
-            if m.peer not in self._ended_peers:
-                self.channel.send(m.peer, End("data exhausted", self.delivery.total_batches - 1))
-                self._ended_peers.add(m.peer)
+            if not m.told_end:
+                self.channel.send(m.peer, End(DATA_EXHAUSTED, self.delivery.total_batches - 1))
+                m.told_end = True
 
-    def _finish(self) -> int:
-        """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs."""
-        reason = self._stop_reason or "data exhausted"
+    def _farewell(self) -> bool:
+        """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs. False when,
+        meanwhile, a consumer re-attached behind its group and has batches to be made again (not on a stop):
+        the loop goes on, and its END follows them."""
+        reason = self._stop_reason or DATA_EXHAUSTED
         for m in list(self.delivery.by_peer.values()):
-            if m.peer not in self._ended_peers:
+            if not m.told_end:
                 self.channel.send(m.peer, End(reason, self.channel.last_seq))
+                m.told_end = True
         grace = max(10.0, self.job.transport.heartbeat_timeout_s)
         deadline = time.monotonic() + grace
         while self.delivery.by_peer and time.monotonic() < deadline:
             self._handle_messages(timeout_s=POLL_S)
+            if self._stop_reason is None and not self.delivery.finished():
+                return False  # a fenced session left batches it never trained, or one came back for them
         if self.delivery.by_peer:
             log.warning(
                 "consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace
             )
+        return True
+
+    def _log_done(self) -> None:
         log.info(
             "producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases,"
             " %d rejected HELLOs",
-            reason,
+            self._stop_reason or "data exhausted",
             self.counters.batches,
             self.counters.tokens,
             self.counters.fenced,
@@ -517,7 +572,6 @@ class ProducerService:
             self.table.stale_releases,
             self.counters.rejected_hellos,
         )
-        return 0
 
     def close(self) -> None:
         if self._stream is not None:

@@ -58,6 +58,10 @@ class SlotTable:
             self._free.append(slot)
         return True
 
+    def held_by(self, consumer: Hashable) -> list[int]:
+        """The seqs of the published slots `consumer` has not released (the batches it was sent and not kept)."""
+        return sorted(seq for seq, pending in self._published.values() if consumer in pending)
+
     def reclaim(self, consumer: Hashable) -> list[int]:
         """Forget a fenced consumer everywhere; returns the slots that became FREE."""
         freed = []

@@ -237,8 +237,18 @@ def summary(state: dict[str, Any]) -> str:
         f"{fmt(state['pipeline']['tokens_per_s'], '.0f')} tok/s{_producers(state['pipeline'])} | telemetry: {fmt(health.get('messages'), 'd')} msgs, "
         f"{fmt(health.get('gaps'), 'd')} gaps, {fmt(health.get('decode_errors'), 'd')} decode errors, "
         f"W&B {fmt(health.get('wandb_mode'))} queue {fmt(health.get('wandb_queue'), 'd')}"
+        + dropped_note(health, " | ")
         + (f" | skipped {state['malformed_windows']} malformed window(s)" if state.get("malformed_windows") else "")
     )
+
+
+def dropped_note(health: dict[str, Any], sep: str) -> str:
+    """`sep` + "metrics.jsonl: N window(s) not written (why, while it fails)" when telemetry dropped any; else ""."""
+    dropped = health.get("jsonl_dropped")
+    if not isinstance(dropped, (int, float)) or not dropped:
+        return ""
+    why = health.get("jsonl_error")
+    return f"{sep}metrics.jsonl: {int(dropped)} window(s) not written" + (f" ({why})" if why else "")
 
 
 def _producers(pipeline: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ import zmq
 
 from common.config import ConfigError, load_job
 from common.supervisor import watch_supervisor
-from telemetry.cli import Receiver, fmt, shown_state
+from telemetry.cli import Receiver, dropped_note, fmt, shown_state
 from telemetry.service import REPUBLISH_SOCKET
 from telemetry.sinks import WINDOW_TOPIC
 
@@ -118,18 +118,21 @@ class Display:
         self.tty = out.isatty()
         self.drawn = False  # a line is on the terminal, not yet ended
         self.printed: dict[str, tuple[float, str | None]] = {}  # plain mode: when and in which state, per drafter
+        self.note = ""  # the last note shown: a new one is printed at once in plain mode
 
-    def show(self, drafters: list[Drafter], now: float) -> None:
+    def show(self, drafters: list[Drafter], now: float, note: str = "") -> None:
+        """`note`: what telemetry could not do (dropped metrics.jsonl windows), after the drafters' parts."""
         if self.tty:
             width = max(20, shutil.get_terminal_size().columns - 1)  # never wrap: a wrapped line breaks the \r
-            self.out.write("\r" + " | ".join(d.short() for d in drafters)[:width] + "\x1b[K")
+            self.out.write("\r" + (" | ".join(d.short() for d in drafters) + note)[:width] + "\x1b[K")
             self.drawn = True
         else:
             for d in drafters:
                 when, state = self.printed.get(d.name, (None, None))
-                if when is None or now - when >= self.every_s or d.state != state:
-                    self.out.write(f"progress: {d.line()}\n")
+                if when is None or now - when >= self.every_s or d.state != state or note != self.note:
+                    self.out.write(f"progress: {d.line()}{note}\n")
                     self.printed[d.name] = (now, d.state)
+        self.note = note
         self.out.flush()
 
     def close(self) -> None:
@@ -166,7 +169,7 @@ def run(job_file: str, out: TextIO, every_s: float, timeout_s: float = 3600.0) -
                 drafters[name].update(sources, now)
             seen = [d for d in drafters.values() if d.state is not None]
             if seen:
-                display.show(seen, now)
+                display.show(seen, now, dropped_note(state["health"], " | "))
             if seen and all(d.finished for d in drafters.values()):
                 return 0
     finally:

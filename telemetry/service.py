@@ -56,7 +56,7 @@ class TelemetryService:
         self.ingest.bind(ingest_endpoint(job.run_paths))
         self.republisher = Republisher(self.context, republish_endpoint(job))
         self._socket_files = [IpcFile(ingest_endpoint(job.run_paths)), IpcFile(republish_endpoint(job))]
-        self.jsonl = JsonlSink(paths.metrics_jsonl)
+        self.jsonl = JsonlSink(paths.metrics_jsonl, log)
         self.wandb = None
         if self.cfg.wandb_mode != "disabled":
             run_key = hashlib.sha1(str(paths.root.resolve()).encode()).hexdigest()[:8]
@@ -192,7 +192,7 @@ class TelemetryService:
         self.windows += 1
         self._window_started, self._window_messages = now, 0
         self.log.info(
-            "window %d: %d msgs, %d/%d sources live, pipeline %.0f tok/s, gaps %d, decode errors %d",
+            "window %d: %d msgs, %d/%d sources live, pipeline %.0f tok/s, gaps %d, decode errors %d%s",
             self.windows,
             health["messages_window"],
             health["sources_live"],
@@ -200,6 +200,7 @@ class TelemetryService:
             metrics.get("pipeline/tokens_per_s", 0.0),
             health["gaps"],
             self.decode_errors,
+            f", metrics.jsonl dropped {self.jsonl.dropped} window(s)" if self.jsonl.dropped else "",
         )
 
     def _health(self, now: float, sources: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,6 +230,8 @@ class TelemetryService:
             "wandb_queue": self.wandb.depth if self.wandb else 0,
             "wandb_dropped": self.wandb.dropped if self.wandb else 0,
             "wandb_errors": self.wandb.errors if self.wandb else 0,
+            "jsonl_dropped": self.jsonl.dropped,
+            "jsonl_error": self.jsonl.error,
         }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 from pathlib import Path
@@ -30,19 +31,63 @@ def json_safe(value: Any) -> Any:
 
 
 class JsonlSink:
-    """One JSON object per window appended to metrics.jsonl, flushed so a tail -f sees it at once."""
+    """One JSON object per window appended to metrics.jsonl, written at once so a tail -f sees it.
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    A window that cannot be written (a full disk, EIO) is dropped and counted, never fatal: the live view
+    (the XPUB) and W&B go on. A write cut short is truncated back, so the file holds whole lines only. The
+    first failure of a run of them is logged, and the recovery with how many windows were lost; the counts
+    are in every window's health (`jsonl_dropped`, `jsonl_error`)."""
+
+    def __init__(self, path: Path, log: logging.Logger | None = None) -> None:
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        self.log = log or logging.getLogger(__name__)
+        self.dropped = 0  # windows never written, in all
+        self.error: str | None = None  # why the last write failed, while failing; None once writable again
+        self._failing = 0  # windows dropped since the last successful write
+        self._fd: int | None = None
 
-    def write(self, doc: dict[str, Any]) -> None:
-        self._file.write(json.dumps(json_safe(doc), allow_nan=False) + "\n")
-        self._file.flush()
+    def write(self, doc: dict[str, Any]) -> bool:
+        """Append one window; False (counted, logged on the first of a run) when it could not be written."""
+        data = (json.dumps(json_safe(doc), allow_nan=False) + "\n").encode()
+        start = None
+        try:
+            if self._fd is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            start = os.fstat(self._fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as err:
+            self._drop(err, start)
+            return False
+        if self._failing:
+            self.log.warning(
+                "%s is writable again: %d window(s) were dropped (%s)", self.path, self._failing, self.error
+            )
+            self._failing, self.error = 0, None
+        return True
+
+    def _drop(self, err: OSError, start: int | None) -> None:
+        if start is not None and self._fd is not None:
+            try:
+                os.ftruncate(self._fd, start)  # no torn line for readers, and the room it took back
+            except OSError:
+                pass
+        self.dropped += 1
+        self._failing += 1
+        self.error = f"{err.strerror or err}"
+        if self._failing == 1:
+            self.log.warning(
+                "cannot write %s (%s): windows are dropped and counted until it can; the live view goes on",
+                self.path,
+                self.error,
+            )
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class Republisher:

@@ -1,6 +1,7 @@
 """Test-wide settings: must run before any project module (the Triton interpreter is read when a kernel is
 decorated, i.e. when consumer.kernels is imported)."""
 
+import json
 import os
 import pathlib
 
@@ -26,3 +27,42 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Under pytest-xdist (`make test` runs `-n auto --dist loadfile`) two workers may start launch.sh jobs at once:
+# each worker gets its own base rendezvous port, so two jobs' replica groups never meet on torchrun's 29500.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER.startswith("gw"):
+    os.environ.setdefault("MASTER_PORT", str(31000 + 200 * int(WORKER[2:])))
+
+DURATIONS = ROOT / "tests" / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--write-durations",
+        action="store_true",
+        help=f"write each test file's wall seconds of this run to {DURATIONS.relative_to(ROOT)} (the suite's order)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest test files first (tests/durations.json, seconds per file), each file's tests together and in
+    their own order: under xdist's loadfile scheduling the files are handed out in this order, so the longest
+    ones start at once instead of ending the run alone; module fixtures are still set up once a file."""
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-known.get(f := it.nodeid.split("::")[0], 0.0), first[f]))
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _file_seconds[report.nodeid.split("::")[0]] = _file_seconds.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--write-durations") and not WORKER:
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, indent=0) + "\n")

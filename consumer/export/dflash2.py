@@ -12,7 +12,8 @@ DFlash1 (dflash.py) plus, as z-lab's dflash/model.py defines them and vLLM's qwe
     takes p_{t+1} = argmax_b S_t(p_t -> b) (temperature 0) or a sample of softmax(S_t / T) over the
     candidates, which is then the q of the lossless speculative verify (zero outside the candidates).
 Config keys read: dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
-block_size, target_layer_ids, mask_token_id} and the optional output_multiplier / final_logit_softcapping.
+block_size, target_layer_ids, mask_token_id} and the optional output_multiplier / final_logit_softcapping (the
+unary scores softcap(m · logits)) / selector_vocab_size (candidates among ids below it).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(
             config.hidden_size, config.vocab_size, d["selector_rank"], d["selector_top_k"]
         )
+        self.selector_vocab_size = d.get("selector_vocab_size")  # candidates among ids below it (None: all)
         self.output_multiplier = float(d.get("output_multiplier", 1.0))
         cap = float(d.get("final_logit_softcapping") or 0.0)
         self.softcap = cap if cap > 0 else None
@@ -105,7 +107,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     def propose(self, hidden, anchor: int, head, temperature: float):
         """hidden [B-1, H] -> (drafts [B-1], q [B-1, V] or None): the walk over the edge scores from the anchor."""
         sel = self.candidate_selector
-        unary, cand = self.unary_logits(hidden, head).topk(sel.top_k, dim=-1)  # [B-1, k]
+        unary, cand = self.unary_logits(hidden, head)[..., : self.selector_vocab_size].topk(sel.top_k, dim=-1)
         ph = sel.hidden_projection(hidden.to(sel.hidden_projection.weight.dtype)).float()  # [B-1, r]
         succ = sel.successor_codebook[cand].float()  # [B-1, k, r]
         pred = torch.tensor(anchor, device=hidden.device)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from consumer.dflash2 import DFlash2Drafter
+from consumer.dspark import DSparkDrafter, dspark_export_config
 from consumer.mask_token import mask_token_text
 from consumer.model import DrafterArch
 from consumer.shape import shape_from_config
@@ -58,6 +59,7 @@ def export_config(
             "mask_token_id": mask_token_id,
             "mask_token": mask_token_text(str(parts.path), mask_token_id),
             "target_layer_ids": list(target_layer_ids),
+            "block_size": block_size,  # the trained block, also where z-lab's and SGLang's readers look first
         },
         "num_target_layers": parts.num_hidden_layers,
         "num_hidden_layers": arch.num_layers,
@@ -146,7 +148,10 @@ DFLASH2_MODELING_FILE = Path(__file__).parent / "dflash2.py"
 
 
 def export_config_of(config: dict, model: nn.Module) -> dict:
-    """export_config's dict, made the DFlash2 layout when `model` is a DFlash2Drafter."""
+    """export_config's dict, made the DFlash2 layout when `model` is a DFlash2Drafter, the DSpark one
+    (consumer/dspark.py: Qwen3DSparkModel) for a DSparkDrafter."""
+    if isinstance(model, DSparkDrafter):
+        return dspark_export_config(config, model.shape)
     if not isinstance(model, DFlash2Drafter):
         return config
     s = model.shape
@@ -161,6 +166,7 @@ def export_config_of(config: dict, model: nn.Module) -> dict:
             "conv_group_size": s.conv_group_size,
             "selector_rank": s.selector_rank,
             "selector_top_k": s.selector_top_k,
+            **s.export_keys(),  # output_multiplier, final_logit_softcapping, selector_vocab_size when they apply
         },
     }
 

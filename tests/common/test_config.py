@@ -46,7 +46,11 @@ def test_minimal_job_gets_defaults(tmp_path):
         ("[transport]\nslots = 'many'\n", "transport.slots", "valid integer"),
         ("[transport]\nslots = 1\n", "transport.slots", "greater than or equal to 2"),
         ("[transport]\nheartbeat_interval_s = 5\nheartbeat_timeout_s = 6\n", "transport", "at least twice"),
-        ("[telemetry]\nwandb_mode = 'sometimes'\n", "telemetry.wandb_mode", "'online', 'offline' or 'disabled'"),
+        (
+            "[telemetry]\nwandb_mode = 'sometimes'\n",
+            "telemetry.wandb_mode",
+            "unknown value 'sometimes'; this version knows: online, offline, disabled",
+        ),
         ("[[drafters]]\nname = 'd0'\n", "drafters", "duplicate name"),
         ("[[drafters]]\nname = 'd1'\nreplicas = 2\ndevices = ['cpu']\n", "drafters.1", "replicas is 2"),
         ("[[drafters]]\nname = 'bad name'\n", "drafters.1.name", "pattern"),
@@ -72,6 +76,22 @@ def test_an_unknown_key_names_the_nearest_valid_one(tmp_path):
     assert "  telemtry: unknown key (did you mean 'telemetry'?)" in lines
     transport = next(line for line in lines if line.startswith("  transport.zzzz: unknown key (the keys here: "))
     assert "slots, " in transport and "slot_bytes" in transport
+
+
+def test_an_unknown_head_loss_optimizer_or_other_name_lists_the_valid_ones(tmp_path):
+    """An enumerated key given a value this version does not know (a head, loss, optimizer from another version
+    or trainer): one line per key with the value, the nearest valid name when one is close, and every valid one."""
+    text = MINIMAL.replace('name = "d0"', 'name = "d0"\narch = "lilicorr"\nloss = "ce"\noptimizer = "adam"')
+    with pytest.raises(ConfigError) as err:
+        load_job(write(tmp_path, text + "[transport]\nkind = 'tpu'\n"))
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{tmp_path / 'job.toml'}: invalid job file (4 error(s))"
+    assert sorted(lines[1:]) == [
+        "  drafters.0.arch: unknown value 'lilicorr'; this version knows: dflash1, dflash2, dspark",
+        "  drafters.0.loss: unknown value 'ce'; this version knows: dpace, decay",
+        "  drafters.0.optimizer: unknown value 'adam' (did you mean 'adamw'?); this version knows: adamw, muon",
+        "  transport.kind: unknown value 'tpu' (did you mean 'cpu'?); this version knows: auto, cpu, cuda",
+    ]
 
 
 def test_missing_required_key_and_bad_toml_and_missing_file(tmp_path):

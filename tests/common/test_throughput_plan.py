@@ -24,9 +24,9 @@ from common.flop_model import (
     target_layer_shapes,
     visible_keys,
 )
-from common.throughput_plan import DEVICES, REFERENCES, Work, infer_device, render
+from common.throughput_plan import DEVICES, REFERENCES, Work, infer_device, optimizer_line, rates, render
 from consumer.model import DrafterArch
-from consumer.throughput_plan import drafter_shapes, trained_matrices
+from consumer.throughput_plan import drafter_shapes, muon_split, trained_matrices
 from producer.throughput_plan import target_work
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +116,37 @@ def test_muon_counts_newton_schulz_over_the_real_split():
     assert params == sum(a * b for a, b in shapes) + norms
     assert newton_schulz_flops([(32, 64)], 5) == 5 * (4 * 32 * 32 * 64 + 2 * 32**3)
     assert trained_matrices(_arch(), cfg.model_copy(update={"optimizer": "adamw"}), 100)[1] == []
+
+
+def test_the_muon_split_counts_the_busiest_replicas_share_and_what_it_receives():
+    """Three 4×8 matrices (cost c each) and a 2×2 over 2 replicas: owners [0, 1, 0, 1] (consumer/muon.py)."""
+    shapes = [(4, 8), (4, 8), (4, 8), (2, 2)]
+    c, small = newton_schulz_flops([(4, 8)], 5), newton_schulz_flops([(2, 2)], 5)
+    assert muon_split(shapes, 5, 1, False) == (3 * c + small, 0.0)
+    # replicated: rank 0 owns two 4×8 and receives the other 4×8 and the 2×2 in bf16; rank 1 receives two 4×8
+    assert muon_split(shapes, 5, 2, False) == (2 * c, max(2 * (32 + 4), 2 * 2 * 32))
+    # FSDP: an owner receives the other half of each owned matrix's rows, and its half of each other matrix
+    assert muon_split(shapes, 5, 2, True) == (2 * c, max(2 * (2 * 16 + 16 + 2), 2 * (16 + 2 + 2 * 16)))
+
+
+def test_the_optimizer_line_names_the_tokens_per_step_that_brings_it_under_15_percent():
+    rate = rates(DEVICES["h200"], 0.5)  # 494.5 TFLOP/s
+    work = Work(
+        "drafter a",
+        2,
+        {"forward": ("flops", 494.5e12), "optimizer": ("flops", 494.5e12 / 2)},  # 1 s a batch, 0.5 s a step
+        step_parts=("optimizer",),
+    )
+    # 0.5 / 1.5 = 33 %; k batches a step: 0.5/k / (1 + 0.5/k) ≤ 15 % from k = 3 (14 %)
+    assert optimizer_line(work, rate, 1000) == (
+        "optimizer: 33 % of a replica's time per batch, above 15 %: tokens_per_step = 6,000 (3 batches a replica"
+        " a step) brings it to 14 %"
+    )
+    at_three = Work(work.stage, 2, {**work.parts, "optimizer": ("flops", 494.5e12 / 6)}, "", 3.0, ("optimizer",))
+    assert optimizer_line(Work.from_json(at_three.to_json()), rate, 1000) == (
+        "optimizer: 14 % of a replica's time per batch (at most 15 %)"
+    )
+    assert optimizer_line(Work("target forward", 1, {"forward": ("flops", 1.0)}), rate, 1000) is None
 
 
 def test_anchors_per_batch_follow_the_samples_and_the_budget():
@@ -322,6 +353,10 @@ def test_the_example_jobs_dry_run_prints_the_throughput_plan(job, config, stages
     assert rows == stages
     drafters = [ln for ln in section if ln.startswith("  drafter ")]
     assert all(" optimizer " in ln and " backward " in ln for ln in drafters)
+    # issue 34: Newton–Schulz split over the replicas, and tokens_per_step where needed, keep the optimizer at
+    # most 15 % of each replica's time
+    shares = [ln.strip() for ln in section if ln.strip().startswith("optimizer: ")]
+    assert len(shares) == len(drafters) and all(ln.endswith("(at most 15 %)") for ln in shares), shares
     last = section[-2]
     assert last.startswith(f"bottleneck: {bottleneck} at ") and " tokens/s, " in last, last
     predicted = float(last.split(" samples/s at ")[0].rsplit(" ", 1)[1])

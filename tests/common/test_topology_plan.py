@@ -17,12 +17,15 @@ from telemetry.service import TelemetryService
 from tests.jobs import tiny_assets, write_job
 
 ROOT = Path(__file__).resolve().parents[2]
+# the ports below are the default base (29500): the plan's processes must not see a MASTER_PORT of the caller's
+# (tests/conftest.py sets one per xdist worker)
+DEFAULT_PORTS = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
 EXAMPLE = ROOT / "deploy" / "examples" / "qwen36-27b-8gpu.toml"
 MOE_EXAMPLE = ROOT / "deploy" / "examples" / "gpt-oss-120b-8gpu.toml"
 
 
 def test_worked_example_passes_dry_run_and_maps_every_gpu():
-    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # nothing needs a GPU to plan
+    env = {**DEFAULT_PORTS, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # nothing needs a GPU to plan
     res = subprocess.run(
         [str(ROOT / "launch.sh"), str(EXAMPLE), "--dry-run"],
         cwd=ROOT,
@@ -144,6 +147,7 @@ def test_systemd_units_express_the_same_layout(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "common.launch_plan", str(EXAMPLE), "--env-files", str(tmp_path)],
         cwd=ROOT,
+        env=DEFAULT_PORTS,
         capture_output=True,
         text=True,
         check=True,

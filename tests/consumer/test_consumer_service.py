@@ -10,7 +10,9 @@ import signal
 import pytest
 import torch
 
+from common.accounting import TrainLedger, read_job_log
 from common.config import parse_job
+from common.protocol import DATA_EXHAUSTED
 from common.supervisor import STOP_SIGNALS
 from consumer.build import build_service
 from consumer.distributed import GroupEnv, GroupError, ReplicaGroup
@@ -132,7 +134,7 @@ def job(tmp_path):
     )
 
 
-def run_loop(job, script, *, trainer=None, group=None, stop=None):
+def run_loop(job, script, *, trainer=None, group=None, stop=None, ledger=None):
     """(exit status, trainer, stream, saved checkpoints as (step, the cursor's next seq of producer 0 after the run))."""
     cfg = job.drafters[0]
     env = GroupEnv.resolve({}, replica=0, replicas=1, node_rank=0, nnodes=1)
@@ -149,6 +151,7 @@ def run_loop(job, script, *, trainer=None, group=None, stop=None):
         stream=stream,
         save=lambda what: saved.append(trainer.step),
         stop=stop or StopSignal(),
+        ledger=ledger,
     )
     status = service.run()
     return status, trainer, stream, [(step, service.cursor.cursors[0][0]) for step in saved]
@@ -160,6 +163,24 @@ def test_end_of_stream_trains_everything_saves_once_and_says_bye(job, restore_si
     assert trainer.trained == [0, 1, 2] and trainer.step == 3
     assert saved == [(3, 3)]  # the final checkpoint resumes at seq 3
     assert stream.byes == [("data exhausted", 2)] and stream.closed
+
+
+@pytest.mark.parametrize(
+    ("end", "steps", "resume_at"),
+    [(StreamEnd(DATA_EXHAUSTED, 2), 2, 3), (StreamEnd("stopped by SIGTERM", 2), 1, 2)],
+)
+def test_the_last_partial_step_is_trained_when_the_data_is_exhausted_only(job, restore_signals, end, steps, resume_at):
+    """tokens_per_step = 2 batches, 3 batches: the plan's end trains the third alone as the last step (a stopped
+    producer's end leaves it to the resumed run, which is sent it again); the job log says how it ended."""
+    two = job.model_copy(update={"drafters": [job.drafters[0].model_copy(update={"tokens_per_step": 2 * TOKENS})]})
+    ledger = TrainLedger(job.run_paths.root, "d0", 0, 1, base=None, base_step=0)
+    status, trainer, stream, saved = run_loop(two, [batch(0), batch(1), batch(2), end], ledger=ledger)
+    assert status == EXIT_OK and trainer.trained == [0, 1, 2] and stream.byes == [(end.reason, 2)]
+    assert trainer.step == steps and saved == [(steps, resume_at)]
+    records, torn = read_job_log(ledger.log.path)
+    assert not torn and [r["seqs"] for r in records if r["kind"] == "step"] == [[0, 1], [2]][:steps]
+    ends = [(r["reason"], r["status"], r["step"], r["finished"]) for r in records if r["kind"] == "end"]
+    assert ends == [(end.reason, 0, steps, end.reason == DATA_EXHAUSTED)]
 
 
 def test_a_stop_signal_finishes_the_round_checkpoints_and_exits_cleanly(job, restore_signals):

@@ -75,7 +75,12 @@ def test_export_keys_shapes_and_config(trained, tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert cfg["model_type"] == "qwen3" and cfg["block_size"] == 4 and cfg["dtype"] == "bfloat16"
-    assert cfg["dflash_config"] == {"mask_token_id": 511, "mask_token": "<|MASK|>", "target_layer_ids": LAYER_IDS}
+    assert cfg["dflash_config"] == {
+        "mask_token_id": 511,
+        "mask_token": "<|MASK|>",
+        "target_layer_ids": LAYER_IDS,
+        "block_size": 4,  # the trained block where z-lab's and SGLang's readers look first
+    }
     assert cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 2
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["tie_word_embeddings"] is False
     assert cfg["vocab_size"] == 512 and cfg["rope_theta"] == trainer.cfg.rope_theta == 1e6  # the drafter's own

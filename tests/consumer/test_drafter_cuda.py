@@ -94,6 +94,19 @@ def test_trainer_on_gpu_learns_with_flex_and_bf16(tmp_path):
         assert any((tmp_path / "triton-cache").iterdir())  # compiled kernels land in the run's cache
 
 
+def test_dspark_trainer_on_gpu_learns_with_flex_and_bf16(tmp_path):
+    """DSpark (consumer/dspark.py) on the GPU path: flex attention, bf16 autocast, its chunked loss recomputed in
+    backward; the taps include the target's last layer, so its L1 is against the target's distribution."""
+    model = tiny_target(tmp_path / "t")
+    seqs = distinct_seqs([40, 56])
+    batch = (target_features(model, seqs), *packed(seqs))
+    cfg = drafter_cfg(arch="dspark", markov_rank=16)
+    trainer = Trainer(cfg, load_target_parts(tmp_path / "t"), LAYER_IDS, "cuda")
+    assert trainer.use_flex and trainer.dspark_target_block is not None
+    logs = [trainer.train_batch(*batch, seq=i) for i in range(60)]
+    assert logs[-1]["dspark_ce"] < 0.5 * logs[0]["dspark_ce"] and logs[-1]["loss"] < logs[0]["loss"]
+
+
 def test_flex_training_compiles_the_planned_graphs_and_keeps_memory_bounded(tmp_path):
     """36 training batches of varying lengths (sliding and full layers), all inside the run's plan
     (tokens_per_batch 512, the anchor budget): compiled FlexAttention and its block-mask builder compile

@@ -11,7 +11,7 @@ import torch
 
 from common.accounting import DeliveryLedger, TrainLedger
 from common.accounting_check import check_run
-from consumer.checkpoint_state import checkpoint_state
+from consumer.checkpoint_state import checkpoint_state, world_change
 from consumer.distributed import GroupError
 from consumer.group_cursor import GroupCursor
 from consumer.resume_points import ResumePoints
@@ -163,3 +163,20 @@ def test_checkpoint_state_puts_each_part_under_its_own_key():
     alone = checkpoint_state(trainer, shape={})
     assert set(alone) == {"model", "step", "last_seq", "rng", "shape"} and alone["last_seq"] == 41
     assert trainer == {"model": {}, "step": 7, "last_seq": 41, "rng": trainer["rng"]}  # the input is left alone
+
+
+def test_a_resume_under_another_world_size_is_said_in_one_line_naming_what_was_re_sharded():
+    ddp2 = {"group": {"producers": 1, "cursors": [9], "trained_above": [[]], "world_size": 2}}
+    fsdp2 = {**ddp2, "rng_replicas": torch.zeros(2, 4, dtype=torch.uint8)}
+    assert world_change(ddp2, "ck/step_4", 2, sharded=False) is None
+    assert world_change(None, "", 1, sharded=False) is None and world_change({}, "x", 2, sharded=True) is None
+    assert world_change(ddp2, "ck/step_4", 1, sharded=False) == (
+        "ck/step_4 was written by a group of 2 replica(s), this run has 1: weights and optimizer state loaded whole"
+        " on each of the 1 replica(s); the group cursor goes on, the producer dealing the remaining seqs to 1"
+        " replica(s)"
+    )
+    assert world_change(fsdp2, "ck/step_4", 3, sharded=True) == (
+        "ck/step_4 was written by a group of 2 replica(s), this run has 3: weights, gradients and optimizer state"
+        " re-sharded from 2 to 3 shard(s) (FSDP); the writer's anchor RNG on every replica (the 2 per-replica"
+        " streams fit 2); the group cursor goes on, the producer dealing the remaining seqs to 3 replica(s)"
+    )

@@ -90,3 +90,26 @@ def test_cuda_set_is_overwritten_only_after_the_training_stream_gave_up_its_batc
     assert storage(third["hidden"]) == storage(first["hidden"]) != storage(second["hidden"])
     assert float(seen.min()) == float(seen.max()) == 1.0, "batch 2 overwrote batch 0 under its step"
     assert float(third["hidden"][0, 0]) == 3.0 and float(second["hidden"][0, 0]) == 2.0
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_copy_waits_for_its_copy_streams_without_spinning_a_core():
+    """Batch 2 lands in batch 0's set, so its copy waits (on the GPU) for the step queued on batch 0: the host
+    waits on the copy event meanwhile, a blocking-sync one, so the wait costs a fraction of a core."""
+    import time
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    copier = CopyOut(dev, dev, min_rows=16)
+    slots = [views(16, fill=float(n + 1), device=str(dev)) for n in range(3)]
+    for _ in copier.sets.sets:  # both sets allocated first: an allocation waits for the training stream too
+        copier.copy(slots[0], None)
+    torch.cuda.synchronize(dev)
+    copier.copy(slots[0], None)
+    torch.cuda._sleep(1_000_000_000)  # a long step on batch 0 (about half a second)
+    copier.copy(slots[1], None)
+    cpu, wall = time.process_time(), time.perf_counter()
+    copier.copy(slots[2], None)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert wall > 0.1, f"the copy did not wait for the step ({wall:.3f} s)"
+    assert cpu < 0.2 * wall, f"the host burnt {cpu:.3f} s of CPU in a {wall:.3f} s wait"

@@ -138,9 +138,9 @@ def edited(export, tmp_path, change):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (
-            lambda c: c.update(block_size=8),
-            r"block_size = 8, but drafter d0 has block_size = 4 \(drafters.block_size\)",
+        (  # an export records its trained block in both places (evaluation/block_size.py)
+            lambda c: (c.update(block_size=8), c["dflash_config"].update(block_size=8)),
+            r"dflash_config.block_size = 8, but drafter d0 has block_size = 4 \(drafters.block_size\)",
         ),
         (
             lambda c: c["dflash_config"].update(target_layer_ids=[0, 2, 4]),
@@ -218,8 +218,13 @@ def test_a_dflash1_directory_fits_a_drafter_that_grows_from_it(source):
     check_config(config, grown, "c.json", "d0", grows_from_dflash1=True)
     with pytest.raises(WarmStartError, match=r"c.json: architectures = \['DFlashDraftModel'\], but drafter d0 is"):
         check_config(config, grown, "c.json", "d0")
-    with pytest.raises(WarmStartError, match=r"c.json: block_size = 8, but drafter d0 has block_size = 4"):
-        check_config({**config, "block_size": 8}, grown, "c.json", "d0", grows_from_dflash1=True)
+    block8 = {**config, "block_size": 8, "dflash_config": {**config["dflash_config"], "block_size": 8}}
+    with pytest.raises(
+        WarmStartError, match=r"c.json: dflash_config.block_size = 8, but drafter d0 has block_size = 4"
+    ):
+        check_config(block8, grown, "c.json", "d0", grows_from_dflash1=True)
+    # DSpark grows from DFlash1 at any block size (its slots mean another thing; the copied weights do not depend on it)
+    check_config(block8, {**config, "architectures": ["Qwen3DSparkModel"]}, "c.json", "d0", grows_from_dflash1=True)
 
 
 def test_a_dflash1_directory_warm_starts_a_dflash2_drafter_at_its_logits_and_serves_losslessly(source, tmp_path):

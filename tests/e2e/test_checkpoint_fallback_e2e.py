@@ -1,6 +1,6 @@
 """A corrupted latest checkpoint between two runs of the real processes (issue 14 item 7): the restarted
-consumer names the broken file, resumes from the previous intact checkpoint, finishes the stream, and the
-exactly-once checker passes on the lineage it really followed."""
+consumer names the broken file, resumes from the previous intact checkpoint, removes what killed writes left
+(saying so), finishes the stream, and the exactly-once checker passes on the lineage it really followed."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def test_a_truncated_latest_checkpoint_resumes_from_the_previous_and_stays_exact
         intact = sorted((p for p in ckpts.glob("step_*") if p != broken), key=lambda p: int(p.name[5:]))[-1]
         state = broken / STATE_FILE
         state.write_bytes(state.read_bytes()[: state.stat().st_size // 3])  # a torn write
+        (ckpts / ".step_999.k1ll3d00").mkdir()  # what a kill inside a write leaves (issue 36 §3)
+        (ckpts / ".step_999.k1ll3d00" / STATE_FILE).write_bytes(b"\0" * 4096)
+        (ckpts / ".write-probe-0a1b2c3d").write_bytes(b"x")
         cons2 = spawn(["-m", "consumer", "--job", job, "--drafter", "d0"], c2)
         assert wait_all([cons2, prod]) == [0, 0], c2.read_text()[-3000:] + plog.read_text()[-2000:]
     finally:
@@ -55,6 +58,8 @@ def test_a_truncated_latest_checkpoint_resumes_from_the_previous_and_stays_exact
     assert f"checkpoint {broken} is not used: {state} has" in log and "Traceback" not in log
     assert f"resuming from the previous intact checkpoint {intact}" in log
     assert f"resumed from {intact}" in log and (ckpts / f"corrupt-{broken.name}").is_dir()
+    assert f"removed 2 leftover(s) of interrupted checkpoint writes from {ckpts} (0.0 MiB freed): " in log
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".")]
     planned = next(li for li in plog.read_text().splitlines() if "batches planned" in li)
     total = int(planned.split()[-3])  # "...; N batches planned"
     final = load_latest(ckpts)

@@ -153,7 +153,7 @@ def test_a_bundle_for_this_python_runs_gpu_check_offline_in_a_venv_holding_only_
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert f"device bundle: {len(carried)} wheels installed" in plan.stdout
     assert "device bundle: requirements met" in plan.stdout
-    assert "  pipeline     60 s   50 s   110 s  67.8 GiB" in plan.stdout and "at 7,168 tokens" in plan.stdout
+    assert "  pipeline     60 s   50 s   110 s  68.4 GiB" in plan.stdout and "at 8,192 tokens" in plan.stdout
 
     # the stages run from the bundle's venv, also when PYTHONPATH names the repository alone (as tests do)
     bundled = tmp_path / "env" / "venv" / "bin" / "python"

@@ -86,3 +86,18 @@ def test_a_misspelt_key_stops_the_launch_naming_the_key_meant(tmp_path):
         "  drafters.0.block_sise: unknown key (did you mean 'block_size'?)",
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_head_loss_or_optimizer_this_version_does_not_know_stops_the_launch_listing_the_valid_names(tmp_path):
+    job = target_job(tmp_path, tmp_path / "models" / "t")
+    job.write_text(job.read_text().replace("[[drafters]]\n", "[[drafters]]\narch = 'eagle3'\noptimizer = 'lion'\n"))
+    proc = launch(job)
+    out = finish(proc, timeout=60)
+    assert proc.returncode == 2, out
+    assert sorted(out.splitlines()) == [
+        "  drafters.0.arch: unknown value 'eagle3'; this version knows: dflash1, dflash2",
+        "  drafters.0.optimizer: unknown value 'lion'; this version knows: adamw, muon",
+        f"{job}: invalid job file (2 error(s))",
+    ]
+    assert not (tmp_path / "run").exists()  # nothing started: no run folder, lock or log
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1

@@ -44,6 +44,27 @@ def test_the_ab_job_has_one_drafter_per_variant_and_block_with_its_overrides(tmp
         write_job(tmp_path / "ab2", tmp_path, VARIANTS, [16], quick=False)
 
 
+def test_a_dspark_variant_is_a_drafter_of_its_own_arch(tmp_path):
+    """bench.recipe_ab --quick --variants '{"dspark": {"arch": "dspark"}}': the head A/B's DSpark entry."""
+    from bench.recipe_ab import main
+
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "READY").write_text(json.dumps({"train_batches": 40}))
+    variants = {"dflash1": {}, "dspark": {"arch": "dspark"}}
+    job = tomllib.loads(write_job(tmp_path / "ab", assets, variants, [16, 8], quick=True).read_text())
+    drafters = [DrafterConfig(**d) for d in job["drafters"]]
+    assert [(d.name, d.arch, d.block_size) for d in drafters] == [
+        ("dflash1_b16", "dflash1", 16),
+        ("dflash1_b8", "dflash1", 8),
+        ("dspark_b16", "dspark", 16),
+        ("dspark_b8", "dspark", 8),
+    ]
+    assert drafters[2].markov_rank == 256 and drafters[2].loss_gamma == 4.0  # DeepSpec's recipe defaults
+    with pytest.raises(SystemExit, match="no complete demo build"):  # the command line parses the same variants
+        main(["--quick", "--variants", '{"dspark": {"arch": "dspark"}}', "--assets", str(tmp_path / "none")])
+
+
 def test_epochs_sets_the_data_passes_and_the_schedule_to_that_plan(tmp_path, monkeypatch):
     assets = tmp_path / "assets"
     assets.mkdir()

@@ -1,8 +1,9 @@
-"""One replica of a two-process gloo group on the CPU training a DFlash2 drafter on the same batch schedule
-twice: unsharded replicas (the all-reduce path) and FSDP2 (decoder layers with their convolutions, and the
-candidate selector, as units of their own). Rank 0 saves what tests/consumer/test_recipe_dflash2.py compares.
+"""One replica of a two-process gloo group on the CPU training a DFlash2 (or DSpark) drafter on the same batch
+schedule twice: unsharded replicas (the all-reduce path) and FSDP2 (decoder layers with their convolutions, and the
+candidate selector, as units of their own; DSpark's heads stay in the root). Rank 0 saves what
+tests/consumer/test_recipe_dflash2.py (and test_recipe_dspark.py) compares.
 
-    python -m tests.procs.fsdp_dflash2_worker TARGET_DIR BATCHES.pt OUT_DIR RANK WORLD PORT
+    python -m tests.procs.fsdp_dflash2_worker TARGET_DIR BATCHES.pt OUT_DIR RANK WORLD PORT [ARCH]
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from tests.procs.fsdp_worker import full
 SCHEDULE = [{0: [0], 1: [1]}, {0: [2, 3], 1: []}, {0: [1], 1: [3]}]
 
 
-def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, port: int) -> int:
+def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, port: int, arch: str = "dflash2") -> int:
     torch.manual_seed(0)
     group = ReplicaGroup(GroupEnv(rank, world, rank, 0, 1, "127.0.0.1", port), torch.device("cpu"), timeout_s=300)
     parts = load_target_parts(target)
     batches = torch.load(batches_path, weights_only=True)
     cfg = drafter_cfg(
-        arch="dflash2",
+        arch=arch,
         num_layers=2,
         selector_rank=8,
         selector_top_k=4,
+        markov_rank=8,
         grad_clip=0.5,
         total_steps=20,
         distributed="fsdp",
@@ -55,7 +57,8 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
                     "params": params,
                     "grad_norm": float(t._grad_norm),
                     "step": t.step,
-                    "selector_recall": logged["selector_recall"] if logged else float("nan"),
+                    "selector_recall": logged.get("selector_recall", float("nan")) if logged else float("nan"),
+                    "loss": logged["loss"] if logged else float("nan"),
                 }
             )
         return seen
@@ -68,4 +71,6 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])))
+    sys.exit(
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), *sys.argv[7:])
+    )

@@ -90,7 +90,7 @@ def serve_batches(channel: ProducerChannel, ring: SlotRing, batches: list, order
 
 
 def newton_schulz_float32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
-    """torch's Muon orthogonalisation (torch/optim/_muon.py `_zeropower_via_newtonschulz`) in float32, not
+    """Muon's orthogonalisation (consumer/muon.py `newton_schulz`, torch's `_zeropower_via_newtonschulz`) in float32, not
     bfloat16. The replicas and FSDP sum gradients in different orders; in bf16 the quintic turns that fp32
     rounding into bf16 flips (measured on this schedule: weights |Δ| 1.9e-4 after one step, 4.4e-3 after
     four, when training moved them 2.2e-2); in float32 the two stay within 3.1e-7 over six steps, so what
@@ -109,7 +109,10 @@ def newton_schulz_float32(grad: torch.Tensor, ns_coefficients, ns_steps: int, ep
 
 @contextlib.contextmanager
 def float32_newton_schulz():
-    with unittest.mock.patch("torch.optim._muon._zeropower_via_newtonschulz", newton_schulz_float32):
+    with (
+        unittest.mock.patch("consumer.muon.newton_schulz", newton_schulz_float32),
+        unittest.mock.patch("consumer.muon.TRANSFER_DTYPE", torch.float32),
+    ):
         yield
 
 
@@ -136,6 +139,7 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
         else:
             group.broadcast_params(t.params)
         t.grad_sync = group.sum_grads
+        group.split_muon(t.optimizer)
         return t
 
     def run(t: Trainer, steps: range, schedule: list[dict] = SCHEDULE) -> list[dict]:
@@ -239,7 +243,7 @@ def main(target: str, batches_path: str, out_dir: str, rank: int, world: int, po
         muon_sharded_trainer = trainer(True, "muon")
         muon_sharded = run(muon_sharded_trainer, range(len(MUON_SCHEDULE)), MUON_SCHEDULE)
         muon_sharded_state = muon_sharded_trainer.gather_state(keep=group.is_writer)
-    muon_straight_trainer = trainer(True, "muon")  # torch's Muon as it is: resume bit-exact under FSDP
+    muon_straight_trainer = trainer(True, "muon")  # Muon's bf16 NS as it is: resume bit-exact under FSDP
     muon_straight = run(muon_straight_trainer, range(len(MUON_SCHEDULE)), MUON_SCHEDULE)
     muon_straight_state = muon_straight_trainer.gather_state(keep=group.is_writer)
     muon_first = trainer(True, "muon")

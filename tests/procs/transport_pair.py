@@ -1,8 +1,12 @@
 """Stand-in producer and consumer for transport tests: the real ProducerService and BatchStream, with a
 fake target and batch source whose every byte the consumer can recompute from the batch's seq.
 
-    python -m tests.procs.transport_pair producer JOB.toml NUM_BATCHES OUT.json
-    python -m tests.procs.transport_pair consumer JOB.toml DRAFTER REPLICA OUT.json [RESUME_SEQ]
+    python -m tests.procs.transport_pair producer JOB.toml NUM_BATCHES OUT.json [DELAY_S]
+    python -m tests.procs.transport_pair consumer JOB.toml DRAFTER REPLICA OUT.json [RESUME_SEQ [DELAY_S]]
+
+DELAY_S: the producer's batch source takes that long per batch (every consumer attaches before the data is
+dealt); the consumer sleeps that long after each batch (a slow consumer: batches wait in its queue). A
+re-attaching consumer asks for the seq after the highest it took, as consumer/resume_points.py does.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ def make_batch(seq: int, max_tokens: int) -> FakeBatch:
     return FakeBatch(seq, 0, [seq * 10 + i for i in range(len(cu) - 1)], ids, mask, cu)
 
 
+def slow(batch: FakeBatch, delay_s: float) -> FakeBatch:
+    time.sleep(delay_s)
+    return batch
+
+
 def features(input_ids: torch.Tensor) -> torch.Tensor:
     return input_ids[:, None].float() * 1e-3 + torch.arange(WIDTH, dtype=torch.float32)[None, :]
 
@@ -54,7 +63,7 @@ class FakeTarget:
         return out
 
 
-def producer(job_path: str, num_batches: int, out_path: str) -> int:
+def producer(job_path: str, num_batches: int, out_path: str, delay_s: float = 0.0) -> int:
     from producer.build import build_service
 
     job = load_job(job_path)
@@ -62,7 +71,7 @@ def producer(job_path: str, num_batches: int, out_path: str) -> int:
     service = build_service(
         job,
         FakeTarget(),
-        lambda start: (make_batch(s, job.data.tokens_per_batch) for s in range(start, num_batches)),
+        lambda start: (slow(make_batch(s, job.data.tokens_per_batch), delay_s) for s in range(start, num_batches)),
         num_batches,
     )
     ring_path = service.ring.path
@@ -81,12 +90,12 @@ def producer(job_path: str, num_batches: int, out_path: str) -> int:
     return status
 
 
-def consumer(job_path: str, drafter: str, replica: int, out_path: str, resume: int = 0) -> int:
+def consumer(job_path: str, drafter: str, replica: int, out_path: str, resume: int = 0, delay_s: float = 0.0) -> int:
     from consumer.stream import BatchStream, ProducerLost, ReceivedBatch
 
     job = load_job(job_path)
-    stream = BatchStream(job, drafter, replica, torch.device("cpu"), lambda: resume)
     seqs, bad = [], []
+    stream = BatchStream(job, drafter, replica, torch.device("cpu"), lambda: max([resume - 1, *seqs]) + 1)
     try:
         stream.connect()
         while True:
@@ -108,13 +117,14 @@ def consumer(job_path: str, drafter: str, replica: int, out_path: str, resume: i
             if not ok:
                 bad.append(item.seq)
             write_json(out_path, {"seqs": seqs, "bad": bad, "done": False})  # progress for the test
+            time.sleep(delay_s)
         stream.bye("end of data", seqs[-1] if seqs else -1)
     except ProducerLost as err:
         print(f"LOST_AT {time.time():.3f}: {err}", flush=True)
         return 3
     finally:
         stream.close()
-    write_json(out_path, {"seqs": seqs, "bad": bad, "done": True})
+    write_json(out_path, {"seqs": seqs, "bad": bad, "done": True, "reattached": stream.reattached})
     return 0
 
 
@@ -128,5 +138,5 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     role, job_path, *rest = sys.argv[1:]
     if role == "producer":
-        sys.exit(producer(job_path, int(rest[0]), rest[1]))
-    sys.exit(consumer(job_path, rest[0], int(rest[1]), rest[2], *(int(r) for r in rest[3:])))
+        sys.exit(producer(job_path, int(rest[0]), rest[1], *map(float, rest[2:3])))
+    sys.exit(consumer(job_path, rest[0], int(rest[1]), rest[2], *(int(r) for r in rest[3:4]), *map(float, rest[4:5])))

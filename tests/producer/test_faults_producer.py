@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,11 +52,13 @@ def skip_job():
         subprocess.run(["rm", "-rf", str(d)], check=False)
 
 
-def start_producer(job_path: Path, batches: int) -> tuple[subprocess.Popen, Path]:
+def start_producer(job_path: Path, batches: int, delay_s: float = 0.0) -> tuple[subprocess.Popen, Path]:
+    """The stand-in producer (tests/procs/transport_pair.py), `delay_s` per batch made."""
     out = job_path.parent / "producer.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "tests.procs.transport_pair", "producer", str(job_path), str(batches)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.procs.transport_pair", "producer", str(job_path), str(batches), str(out)],
+        [*argv, str(out), str(delay_s)],
         cwd=ROOT,
         env=env,
     )
@@ -180,3 +183,54 @@ def test_a_hello_that_does_not_fit_the_job_is_rejected_counted_and_harms_nobody(
         assert json.loads(out.read_text())["rejected_hellos"] == len(bad)
     finally:
         proc.kill()
+
+
+def test_replicas_stalled_past_the_heartbeat_after_the_last_batch_get_their_lost_batches_and_end(skip_job):
+    """Seen once under load in tests/e2e/test_scaleout_e2e.py: both replicas of a drafter stalled past the
+    heartbeat while their queues held batches, re-attached at seqs 79/80 while the producer's group was at its
+    end (85), and waited until the producer had gone (exit 3): the producer had dealt every batch, fenced them
+    and finished; the batches they never released were lost. The stall is injected (SIGSTOP for longer than
+    the heartbeat timeout, the consumers slow enough that batches wait unreleased in their queues): the
+    producer keeps the group open for those batches, makes them again for the same processes when they
+    re-attach, then ends; every batch is taken exactly once across the replicas."""
+    job_path = skip_job(attach=20)
+    doc = skip_job_doc(job_path.parent.name, job_path.parent, 20)
+    doc["job"]["name"] = load_job(job_path).job.name
+    doc["transport"] |= {"slots": 12, "on_dead_group": "block"}
+    doc["drafters"] = [{"name": "d0", "replicas": 2}]
+    write_job(job_path, doc)
+    run = job_path.parent
+    outs = [run / f"c{r}.json" for r in range(2)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "tests.procs.transport_pair", "consumer", str(job_path), "d0"]
+    consumers = [
+        subprocess.Popen(
+            [*argv, str(r), str(outs[r]), "0", "1.0"],  # resume at 0, 1 s per batch
+            cwd=ROOT,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    proc, out = start_producer(job_path, 12, delay_s=0.1)  # both replicas attach before the data is dealt
+    try:
+        deadline = time.monotonic() + 60
+        while not all(o.exists() and json.loads(o.read_text())["seqs"] for o in outs):
+            assert time.monotonic() < deadline and all(c.poll() is None for c in consumers), "no batch reached both"
+            time.sleep(0.05)
+        time.sleep(1.5)  # the producer deals the rest (0.1 s each) while the slow consumers' queues fill
+        for c in consumers:  # the stall: past the 1 s heartbeat timeout, with unreleased batches queued
+            c.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        for c in consumers:
+            c.send_signal(signal.SIGCONT)
+        assert [c.wait(timeout=60) for c in consumers] == [0, 0]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        for p in [proc, *consumers]:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+    got = [json.loads(o.read_text()) for o in outs]
+    assert sorted(got[0]["seqs"] + got[1]["seqs"]) == list(range(12))  # none lost, none twice
+    assert got[0]["bad"] == got[1]["bad"] == []
+    assert got[0]["reattached"] + got[1]["reattached"] >= 2  # both woke into a fenced session and came back
+    assert json.loads(out.read_text())["fenced"] >= 2

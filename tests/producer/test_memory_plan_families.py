@@ -155,7 +155,7 @@ def test_the_readme_dry_run_prints_the_figures_readme_shows():
         for ln in res.stdout.splitlines()
         if ln.startswith("  cuda:")
     }
-    assert totals == {f"cuda:{i}": v for i, v in enumerate(["36.0", "27.8"] * 2 + ["78.9"] * 2 + ["52.4"] * 2)}
-    for gpus, figure in (("0`/`2", "36.0"), ("1`/`3", "27.8"), ("4`/`5", "78.9"), ("6`/`7", "52.4")):
+    assert totals == {f"cuda:{i}": v for i, v in enumerate(["36.0", "27.8"] * 2 + ["73.6"] * 2 + ["49.4"] * 2)}
+    for gpus, figure in (("0`/`2", "36.0"), ("1`/`3", "27.8"), ("4`/`5", "73.6"), ("6`/`7", "49.4")):
         assert f"{figure} GiB on `cuda:{gpus}`" in sentence, (figure, sentence)
     assert not any(ln.startswith("WARNING") for ln in res.stdout.splitlines())

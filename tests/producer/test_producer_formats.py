@@ -125,8 +125,10 @@ def test_directory_empty_and_unreadable_files_are_clear_errors(tok, tmp_path):
 def test_planned_steps_count_rounds_and_accumulation():
     assert planned_steps([10, 10, 10, 10, 10], replicas=1, tokens_per_step=0) == (5, 0)
     assert planned_steps([10, 10, 10, 10, 10], replicas=2, tokens_per_step=0) == (3, 0)
-    assert planned_steps([10, 10, 10, 10, 10], replicas=1, tokens_per_step=25) == (1, 20)
-    assert planned_steps([10, 10, 10, 10, 10], replicas=2, tokens_per_step=25) == (1, 10)
+    # the plan's end trains what is left as a partial last step (consumer/service.py): 30 + 20, 40 + 10 tokens
+    assert planned_steps([10, 10, 10, 10, 10], replicas=1, tokens_per_step=25) == (2, 20)
+    assert planned_steps([10, 10, 10, 10, 10], replicas=2, tokens_per_step=25) == (2, 10)
+    assert planned_steps([10, 10, 10, 10], replicas=1, tokens_per_step=20) == (2, 0)
 
 
 def test_data_stats_command(tok, chats, tmp_path):

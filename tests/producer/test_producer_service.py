@@ -27,14 +27,14 @@ def restore_signals():
         signal.signal(sig, handler)
 
 
-def make_job(tmp_path: Path, *, attach_s: float, on_dead_group: str = "block"):
+def make_job(tmp_path: Path, *, attach_s: float, on_dead_group: str = "block", slots: int = 3):
     job = parse_job(
         {
             "job": {"name": "ploop", "run_dir": str(tmp_path / "run")},
             "target": {"path": "unused", "dtype": "float32"},
             "data": {"path": "unused", "max_length": 64, "tokens_per_batch": 64},
             "transport": {
-                "slots": 3,
+                "slots": slots,
                 "heartbeat_interval_s": 0.1,
                 "heartbeat_timeout_s": 1.0,
                 "attach_timeout_s": attach_s,
@@ -90,6 +90,31 @@ def test_data_exhausted_every_batch_delivered_intact_exit_0_ring_removed(tmp_pat
     assert consumer.ended == StreamEnd("data exhausted", 5)
     assert (service.counters.batches, service.counters.fenced, service.table.in_use) == (6, 0, 0)
     assert not ring.exists()
+
+
+def test_the_next_forward_is_queued_before_the_last_batch_is_published(tmp_path, restore_signals):
+    """As on a CUDA ring (overlap_forwards): forward n+1 goes in before batch n's BATCH is sent, the batches still
+    go out in order, intact, each once, and the end of the data is the same. A slot for every batch: no wait for
+    a release (then batch n goes out first) makes the order timing-dependent."""
+    job = make_job(tmp_path, attach_s=30, slots=7)
+    service = producer(job, 6)
+    service.overlap_forwards = True
+    events = []
+    write, publish = service._write_slot, service._publish  # write: the forward into the slot, queued
+    service._write_slot = lambda slot, batch: (events.append(("forward", batch.seq)), write(slot, batch))[1]
+    service._publish = lambda slot, batch, layout: (
+        events.append(("publish", batch.seq)),
+        publish(slot, batch, layout),
+    )[1]
+    consumer = Consumer(job)
+    consumer.start()
+    assert service.run() == 0
+    consumer.join(20)
+    assert consumer.seqs == [0, 1, 2, 3, 4, 5] and consumer.intact
+    assert consumer.ended == StreamEnd("data exhausted", 5)
+    overlapped = [e for n in range(1, 6) for e in (("forward", n), ("publish", n - 1))]
+    assert events == [("forward", 0), *overlapped, ("publish", 5)]
+    assert (service.counters.batches, service.table.in_use) == (6, 0)
 
 
 def test_a_stop_signal_while_waiting_for_consumers_exits_0(tmp_path, restore_signals):
