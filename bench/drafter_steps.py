@@ -76,7 +76,7 @@ def make_step(model, batch, mask, features, variant: Variant, opt, chunk_rows: i
     """One training step of `variant` on `batch` (a closure: the bench calls it again and again)."""
     slot = slot_loss(variant.loss, batch.block_size, DEFAULTS["dpace_alpha"])
     weights = slot.base_weights(batch.weights)
-    inv_normaliser = 1.0 / slot.normaliser(weights).clamp_min(1e-12)
+    inv_normaliser = 1.0 / slot.normaliser(weights, batch.num_sequences).clamp_min(1e-12)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():

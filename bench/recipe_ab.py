@@ -1,7 +1,7 @@
 """The recipe A/B on the demo: one job, one drafter per (variant × block size), evaluated on the held-out set.
 
     python -m bench.recipe_ab [--run-dir runs/recipe_ab] [--assets runs/demo/assets] [--quick]
-                              [--variants JSON] [--blocks 16 8] [--limit N]
+                              [--variants JSON] [--blocks 16 8] [--epochs N] [--limit N]
 
 Every drafter of one job trains on the same batches of the same target forward (the producer runs it once
 for all), for the same steps, from the same seed: the variants differ only in their drafter keys. A variant
@@ -9,12 +9,15 @@ is a name and a dict of drafter-key overrides (VARIANTS; --variants '{"name": {.
 new recipe (arch = "dflash2", a sliding-window rule) is one more entry. The job is the demo's own
 (demo.job.job_doc, its assets via a link), run by launch.sh as real processes; the evaluation is the
 demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table row per drafter: variant,
-block, τ, Δτ against the first variant at that block, lossless; writes RUN_DIR/recipe_ab.json.
+block, τ, Δτ against the first variant at that block, lossless, and its cost from its consumer log
+(bench/ab_logs.py: compute ms per step, anchors and candidates per batch); writes RUN_DIR/recipe_ab.json.
+--epochs N trains N passes over the data instead of the demo's 2 (a cheaper A/B; the lr schedule follows).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.ab_logs import drafter_cost
 from bench.harness import write_job as write_job_file
 from demo.job import FULL, QUICK, READY, evaluate_demo, job_doc, load_tokenizer, planned_batches
 
@@ -44,8 +48,11 @@ def drafter_name(variant: str, block: int) -> str:
     return f"{variant}_b{block}"
 
 
-def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: list[int], quick: bool) -> Path:
-    """The demo's job with one drafter per (variant, block), its assets linked into run_dir."""
+def write_job(
+    run_dir: Path, assets: Path, variants: dict[str, dict], blocks: list[int], quick: bool, epochs: int | None = None
+) -> Path:
+    """The demo's job with one drafter per (variant, block), its assets linked into run_dir; `epochs`: passes
+    over the data (None: the demo's)."""
     ready = assets / READY
     if not ready.is_file():
         raise SystemExit(
@@ -61,10 +68,12 @@ def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: li
         link.symlink_to(assets.resolve(), target_is_directory=True)
     spec = tuple((drafter_name(v, b), b, overrides) for v, overrides in variants.items() for b in blocks)
     size = QUICK if quick else FULL
+    if epochs is not None:
+        size = dataclasses.replace(size, epochs=epochs)
     # every drafter trains on all of train.jsonl (no data.validation split): the variants are compared by
     # decoding the held-out prompts (heldout.jsonl), and the rows stay comparable with runs made before the split
     report = json.loads(ready.read_text())
-    if report.get("validation") is not None:  # READY counted the plan without its held-out split
+    if report.get("validation") is not None or epochs is not None:  # READY's count is of another plan
         tokenizer = load_tokenizer(assets / "tokenizer")
         report["train_batches"] = planned_batches(assets / "train.jsonl", tokenizer, size, 0, validation=None)
     doc = job_doc(run_dir.resolve(), size, report, drafters_spec=spec)
@@ -75,12 +84,13 @@ def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: li
     return write_job_file(run_dir / "job.toml", doc)
 
 
-def table(reports: dict[str, dict], variants: dict[str, dict], blocks: list[int]) -> list[dict]:
+def table(reports: dict[str, dict], variants: dict[str, dict], blocks: list[int], logs: Path) -> list[dict]:
     rows = []
     for b in blocks:
         base = None
         for v in variants:
             r = reports[drafter_name(v, b)]
+            cost = drafter_cost(logs / f"consumer-{drafter_name(v, b)}-r0.log")
             base = r["tau"] if base is None else base
             rows.append(
                 {
@@ -90,17 +100,22 @@ def table(reports: dict[str, dict], variants: dict[str, dict], blocks: list[int]
                     "delta": r["tau"] - base,
                     "delta_pct": 100.0 * (r["tau"] - base) / base,
                     "lossless": r["lossless"],
+                    **dataclasses.asdict(cost),
                 }
             )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| variant | block | τ | Δτ vs first | lossless |", "|---|---|---|---|---|"]
+    lines = [
+        "| variant | block | τ | Δτ vs first | lossless | ms/step | anchors/batch | candidates/batch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['block']} | {r['tau']:.3f} | {r['delta']:+.3f} ({r['delta_pct']:+.1f} %)"
-            f" | {'yes' if r['lossless'] else 'NO'} |"
+            f" | {'yes' if r['lossless'] else 'NO'} | {r['ms_per_step']:.0f} | {r['anchors_per_batch']:.1f}"
+            f" | {r['candidates_per_batch']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -112,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="assets built by `demo prepare --quick`")
     ap.add_argument("--variants", type=json.loads, default=None, help='{"name": {drafter key: value}, ...}')
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 8])
+    ap.add_argument("--epochs", type=int, default=None, help="passes over the data (default: the demo's 2)")
     ap.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out prompts")
     ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds the training job may take")
     args = ap.parse_args(argv)
     variants = args.variants or VARIANTS
-    job = write_job(args.run_dir, args.assets, variants, args.blocks, args.quick)
+    job = write_job(args.run_dir, args.assets, variants, args.blocks, args.quick, args.epochs)
     print(f"recipe_ab: {len(variants) * len(args.blocks)} drafters in {job}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     env = {**os.environ, "DFLASH_PLOTS": "0"}
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recipe_ab: launch.sh exited {status}; logs in {args.run_dir / 'logs'}", file=sys.stderr)
         return status
     reports, _ = evaluate_demo(job, limit=args.limit)
-    rows = table(reports, variants, args.blocks)
+    rows = table(reports, variants, args.blocks, args.run_dir / "logs")
     print(format_table(rows))
     (args.run_dir / "recipe_ab.json").write_text(
         json.dumps(

@@ -213,7 +213,8 @@ def default_sliding_block_attention(arch: str) -> SlidingBlockAttention:
     """The in-block rule of sliding layers that SGLang and vLLM serve today for this architecture's drafters
     (docs/design.md, "Sliding layers"): DFlash1 exports carry no `is_causal`, and both engines then make the
     block causal in sliding layers (as SpecForge trains it); z-lab's DFlash2 configs set `is_causal: false`,
-    and both engines then let the block attend both ways (speculators' dflash2 default)."""
+    and both engines then let the block attend both ways (speculators' dflash2 default; SGLang from 0.5.18,
+    every release with DFlash2, on its fa3, flashinfer and triton backends)."""
     return "bidirectional" if arch == "dflash2" else "causal"
 
 
@@ -224,7 +225,8 @@ class DrafterConfig(_Section):
     mask_token_id: int | None = None  # default: a spare vocab row or the tokenizer's mask/reserved token
     anchors_per_seq: Annotated[int, Field(ge=1)] = 512
     # the most anchors one batch trains on (a uniform cut of the per-sequence draws past it); None:
-    # data.tokens_per_batch // 8, at least anchors_per_seq (consumer.objective.anchor_budget)
+    # data.tokens_per_batch // 8, at least anchors_per_seq (consumer.objective.anchor_budget; docs/design.md
+    # has the demo A/B of // 8, // 4 and every candidate up to 512 a sequence)
     anchors_per_batch: Annotated[int, Field(ge=1)] | None = None
     # the drafter's own RoPE (dflash.md §1), whatever the target's: base and an optional static scaling
     rope_theta: Annotated[float, Field(gt=0)] = 1e6
@@ -292,6 +294,9 @@ class DrafterConfig(_Section):
     # exp(-(k-1)/γ) weights, normalised by Σw over the step)
     loss: Literal["dpace", "decay"] = "dpace"
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5  # D-PACE smoothing α in (0, 1] (ModelOpt: 0.3-0.7)
+    # what D-PACE's Σ w·CE of the step is divided by: "anchors" (its valid anchors) or "sequences" (its packed
+    # sequences, as the D-PACE reference code divides by the batch size); docs/design.md, "D-PACE's normaliser"
+    dpace_normaliser: Literal["anchors", "sequences"] = "anchors"
     # "muon" (the default: docs/recipes.md, the A/B): torch.optim.Muon for the hidden 2-D matrices, AdamW
     # (lr, betas, weight_decay) for the rest (consumer/optim.py), with any `distributed` (under "fsdp" on row
     # shards); "adamw": AdamW for everything

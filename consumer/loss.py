@@ -11,7 +11,8 @@ dh, which is the size of the hidden rows themselves.
 
 What weighs each slot's CE and what the step divides by is a `SlotLoss` (dflash.md §2, docs/recipes.md):
 `DecayLoss`, the DFlash paper's static exp(-(k-1)/γ) normalised by Σw, or `DPaceLoss` (D-PACE, arXiv
-2605.18810), weights from the drafter's own per-slot CE, normalised by the step's count of valid anchors.
+2605.18810), weights from the drafter's own per-slot CE, normalised by the step's count of valid anchors or
+of sequences (`dpace_normaliser`).
 Both take per-slot CE in and give weights and a normaliser out, so another term (a selector loss) can
 reuse the same contract.
 """
@@ -19,12 +20,15 @@ reuse the same contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from consumer.kernels.weighted_ce import weighted_ce_
+
+DPaceNormaliser = Literal["anchors", "sequences"]
 
 
 def dpace_weights(ce: Tensor, mask: Tensor, alpha: float) -> Tensor:
@@ -54,7 +58,7 @@ class DecayLoss:
     def weights(self, ce: Tensor, base: Tensor) -> Tensor:
         return base
 
-    def normaliser(self, base: Tensor) -> Tensor:
+    def normaliser(self, base: Tensor, num_sequences: int) -> Tensor:
         return base.sum()
 
 
@@ -62,14 +66,16 @@ class DecayLoss:
 class DPaceLoss:
     """D-PACE: per-block weights from the drafter's confidence in the dataset token (hard-label CE).
 
-    Normaliser: the number of valid anchors (anchors with at least one supervised slot), summed by the
-    trainer over the whole optimizer step (every accumulation round, every replica) before it divides.
-    Not Σw, which would cancel the credit mass the weights carry (the D-PACE author, SpecForge #828); a
-    count fixed by the sampled anchors, so each anchor weighs the same whichever batch or replica drew it
-    (the anchor sampler already gives every candidate the same inclusion probability: objective.py)."""
+    Normaliser (`normalise_by`), summed by the trainer over the whole optimizer step (every accumulation
+    round, every replica) before it divides: "anchors", the number of valid anchors (anchors with at least
+    one supervised slot), or "sequences", the number of packed sequences, as the D-PACE reference code
+    divides by its batch size (docs/design.md, "D-PACE's normaliser"). Never Σw, which would cancel the
+    credit mass the weights carry (the D-PACE author, SpecForge #828). Both are counts fixed by the batch, so
+    each anchor (or sequence) weighs the same whichever batch or replica drew it."""
 
     block_size: int
     alpha: float
+    normalise_by: DPaceNormaliser = "anchors"
     reweights = True
 
     def base_weights(self, weights: Tensor) -> Tensor:
@@ -81,17 +87,22 @@ class DPaceLoss:
         B = self.block_size
         return dpace_weights(ce.view(-1, B), base.view(-1, B), self.alpha).view(-1)
 
-    def normaliser(self, base: Tensor) -> Tensor:
+    def normaliser(self, base: Tensor, num_sequences: int) -> Tensor:
+        """mask [A·B] of the batch and its count of packed sequences -> what the step divides by."""
+        if self.normalise_by == "sequences":
+            return torch.tensor(float(num_sequences), device=base.device)
         return (base.view(-1, self.block_size) > 0).any(dim=1).sum().float()
 
 
 SlotLoss = DecayLoss | DPaceLoss
 
 
-def slot_loss(loss: str, block_size: int, dpace_alpha: float) -> SlotLoss:
-    """The drafter's `loss` key as a SlotLoss."""
+def slot_loss(
+    loss: str, block_size: int, dpace_alpha: float, dpace_normaliser: DPaceNormaliser = "anchors"
+) -> SlotLoss:
+    """The drafter's `loss` key (and D-PACE's `dpace_normaliser`) as a SlotLoss."""
     if loss == "dpace":
-        return DPaceLoss(block_size, dpace_alpha)
+        return DPaceLoss(block_size, dpace_alpha, dpace_normaliser)
     if loss == "decay":
         return DecayLoss(block_size)
     raise ValueError(f"loss must be 'dpace' or 'decay', got {loss!r}")

@@ -111,6 +111,10 @@ class DraftBatch:
     def num_anchors(self) -> int:
         return self.anchor_tok.numel()
 
+    @property
+    def num_sequences(self) -> int:
+        return self.seq_start.numel()
+
     def allowed(self, q_idx: Tensor, kv_idx: Tensor, window: int | None = None, causal: bool = False) -> Tensor:
         """May query row q_idx see key kv_idx (in a layer with this sliding window, None: full; `causal`:
         the sliding layer's block is causal)? Keys: [0, T) context rows, [T, T+Q) block rows."""

@@ -9,12 +9,18 @@ inherit the DFlash1 layer in both engines, so the rule is the same for both arch
 
 So "causal" exports without `is_causal` (writing true would make the full layers causal as well) and
 "bidirectional" exports `is_causal: false`; a drafter with full layers only keeps `is_causal: false`.
+
+Which SGLang releases serve `is_causal: false` in sliding layers (docs/design.md, "Sliding layers", read in the
+PyPI wheels 0.5.11-0.5.23): from 0.5.18 (`_get_dflash_attention_type`) with the fa3, flashinfer and triton
+backends; 0.5.15-0.5.17 make every sliding layer causal. DFlash2 models exist from 0.5.19, so every SGLang
+that serves a DFlash2 drafter serves its bidirectional default as trained on those backends.
 """
 
 from __future__ import annotations
 
 SLIDING = "sliding_attention"
 RULES = ("causal", "bidirectional")
+SGLANG_HONOURS = "0.5.18"  # the first SGLang release whose DFlash model reads is_causal for sliding layers
 
 
 class SlidingRuleError(ValueError):
@@ -56,10 +62,12 @@ def serving_caveats(rule: str, layer_types: list[str], window: int | None, block
     notes = []
     if rule == "bidirectional":
         notes.append(
-            "sliding_block_attention = 'bidirectional' is exported as is_causal: false, which vLLM and SGLang's"
-            " current DFlash model honour; SGLang releases whose models/dflash.py predates"
-            " _get_dflash_attention_type serve sliding layers causally whatever the export says (a train/serve"
-            " mismatch): serve with vLLM or a current SGLang"
+            "sliding_block_attention = 'bidirectional' is exported as is_causal: false, which vLLM and SGLang from"
+            f" {SGLANG_HONOURS} honour with the fa3, flashinfer and triton attention backends; SGLang 0.5.15-0.5.17"
+            " serve sliding layers causally whatever the export says, its torch_native backend drops the window of"
+            " a non-causal layer (the block sees context past sliding_window) and trtllm_mha counts the window from"
+            " the block's last slot (earlier slots see up to block_size-1 fewer context keys): train"
+            " sliding_block_attention = 'causal' for those"
         )
         if window is not None and window < block_size:
             notes.append(

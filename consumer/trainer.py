@@ -176,7 +176,8 @@ class Trainer:
             else None
         )
         # DSpark's loss weights are DeepSpec's static exp(-k/γ), normalised by Σw (consumer/dspark.py)
-        self.slot_loss = slot_loss("decay" if cfg.arch == "dspark" else cfg.loss, cfg.block_size, cfg.dpace_alpha)
+        loss = "decay" if cfg.arch == "dspark" else cfg.loss
+        self.slot_loss = slot_loss(loss, cfg.block_size, cfg.dpace_alpha, cfg.dpace_normaliser)
         self._build_optimizer()
         self.fsdp: FsdpLockstep | None = None  # once `shard` ran: parameters are DTensor shards
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # anchor sampling
@@ -360,7 +361,7 @@ class Trainer:
             (loss_sum * 0.0 if stand_in is not None else loss_sum).backward()  # a stand-in adds zero everywhere
         if stand_in is not None:
             return
-        normaliser = self.slot_loss.normaliser(weights)  # summed over the step's rounds and replicas
+        normaliser = self.slot_loss.normaliser(weights, batch.num_sequences)  # summed over the step's rounds, replicas
         self._pending_loss += loss_sum.detach()
         self._pending_weight += normaliser
         if self.dspark:
@@ -371,7 +372,8 @@ class Trainer:
         if isinstance(self.model, DFlash2Drafter):
             self.selector_metrics.add(sel_stats)
         if self.prof:
-            self.prof.count("anchors", batch.num_anchors)  # a host count (no sync)
+            self.prof.count("anchors", batch.num_anchors)  # host counts (no sync)
+            self.prof.count("candidates", batch.num_candidates)
 
     def dspark_targets(self, hidden: Tensor, batch: DraftBatch) -> Tensor | None:
         """DSpark's target rows [Q, H] (consumer/dspark.py target_rows) when the job taps the target's last layer."""
@@ -395,7 +397,9 @@ class Trainer:
         return self._read_metrics() if self.step % self.cfg.log_every == 0 else None
 
     def _optimizer_step(self, seq: int) -> None:
-        inv_weight = 1.0 / self._pending_weight.clamp_min(1e-12)  # Σ w·CE / the step's normaliser (Σw, anchors)
+        inv_weight = 1.0 / self._pending_weight.clamp_min(
+            1e-12
+        )  # Σ w·CE / the step's normaliser (Σw, anchors, sequences)
         grads = [p.grad for p in self.params]
         torch._foreach_mul_(grads, inv_weight)
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)

@@ -136,11 +136,15 @@ class Evaluator:
                         cfg.loss_chunk_rows,
                         tr.dspark_targets(h, batch),
                     )
-                    return loss_sum, *metric_view(correct, weights, cfg.block_size), tr.slot_loss.normaliser(weights)
+                    return (
+                        loss_sum,
+                        *metric_view(correct, weights, cfg.block_size),
+                        tr.slot_loss.normaliser(weights, batch.num_sequences),
+                    )
                 loss_sum, correct = chunked_lm_head_loss(
                     out, tr.model.lm_head, batch.labels, weights, cfg.loss_chunk_rows, tr.slot_loss
                 )
-            return loss_sum, correct, weights, tr.slot_loss.normaliser(weights)
+            return loss_sum, correct, weights, tr.slot_loss.normaliser(weights, batch.num_sequences)
 
 
 def candidate(result: PassResult) -> Candidate:

@@ -88,6 +88,23 @@ def test_accumulates_until_tokens_per_step(setup):
     assert snap["counters"]["tokens"] == 2 * T and snap["counters"]["anchors"] == 2 * 2 * 8
 
 
+@pytest.mark.parametrize(("normaliser", "want"), [("anchors", 2 * 8), ("sequences", 2)])
+def test_dpace_normaliser_is_what_the_step_divides_by(setup, normaliser, want):
+    """One batch of two sequences, 8 anchors each: the step's pending divisor is 16 anchors or 2 sequences,
+    and the logged loss is Σ w·CE over it, so the two differ by exactly that ratio on the same anchors."""
+    parts, batch = setup
+    trainer = Trainer(
+        drafter_cfg(loss="dpace", dpace_normaliser=normaliser, tokens_per_step=2 * batch[1].numel()),
+        parts,
+        LAYER_IDS,
+        "cpu",
+    )
+    assert trainer.train_batch(*batch, seq=0) is None  # accumulating: nothing divided yet
+    assert float(trainer._pending_weight) == want
+    loss_sum = float(trainer._pending_loss)
+    assert trainer.metrics.read()["loss"] == pytest.approx(loss_sum / want, rel=1e-6)
+
+
 def test_lr_schedule():
     f = dict(total_steps=100, warmup_frac=0.1, min_lr_ratio=0.1)
     assert lr_factor(0, **f) == pytest.approx(0.1)

@@ -84,7 +84,7 @@ def test_dpace_loss_value_and_gradient_by_hand(path):
         total, _ = full_logits_loss(hidden, eye, labels, mask, loss)
     else:
         total, _ = chunked_lm_head_loss(hidden, eye, labels, mask, int(path.split("_")[1]), loss)
-    norm = loss.normaliser(mask)
+    norm = loss.normaliser(mask, num_sequences=1)
     assert float(norm) == 2.0  # valid anchors; not Σw = 1307/256
     assert float(total.detach()) == pytest.approx(WANT_SUM, rel=1e-6)
     (total / norm).backward()
@@ -94,15 +94,22 @@ def test_dpace_loss_value_and_gradient_by_hand(path):
     assert torch.equal(mask, MASK.reshape(-1))  # the caller's mask is not overwritten
 
 
-def test_dpace_normaliser_counts_anchors_with_a_supervised_slot_and_decay_keeps_the_weight_sum():
+def test_dpace_normaliser_counts_anchors_or_sequences_and_decay_keeps_the_weight_sum():
     mask = torch.tensor([0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1.0])  # three anchors, the middle one without loss
-    assert float(DPaceLoss(4, 0.5).normaliser(mask)) == 2.0
+    assert float(DPaceLoss(4, 0.5).normaliser(mask, num_sequences=5)) == 2.0  # "anchors", the default
+    assert float(DPaceLoss(4, 0.5, "anchors").normaliser(mask, num_sequences=5)) == 2.0
+    assert float(DPaceLoss(4, 0.5, "sequences").normaliser(mask, num_sequences=5)) == 5.0  # the reference's bsz
     w = torch.tensor([0, 1.0, 0.5, 0.25])
-    assert float(DecayLoss(4).normaliser(w)) == 1.75
+    assert float(DecayLoss(4).normaliser(w, num_sequences=5)) == 1.75
     assert isinstance(slot_loss("dpace", 4, 0.3), DPaceLoss) and slot_loss("dpace", 4, 0.3).alpha == 0.3
+    assert slot_loss("dpace", 4, 0.3, "sequences").normalise_by == "sequences"
     assert DrafterConfig(name="d").loss == "dpace"  # the default for new jobs
+    assert DrafterConfig(name="d").dpace_normaliser == "anchors"
+    assert DrafterConfig(name="d", dpace_normaliser="sequences").dpace_normaliser == "sequences"
     with pytest.raises(ValueError, match="dpace_alpha"):
         DrafterConfig(name="d", dpace_alpha=0.0)
+    with pytest.raises(ValueError, match="dpace_normaliser"):
+        DrafterConfig(name="d", dpace_normaliser="tokens")
 
 
 def _merged(batches):

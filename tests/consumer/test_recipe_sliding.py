@@ -113,6 +113,8 @@ def test_rule_defaults_validation_and_the_engines_reading_of_the_keys():
     assert serving_caveats("causal", ["sliding_attention"] * 2, 8, 4) == []
     notes = serving_caveats("bidirectional", mixed, 3, 4)
     assert len(notes) == 3 and "is_causal: false" in notes[0] and "VLLM_USE_V2_MODEL_RUNNER" in notes[2]
+    assert "SGLang from 0.5.18" in notes[0] and "0.5.15-0.5.17 serve sliding layers causally" in notes[0]
+    assert "torch_native" in notes[0] and "trtllm_mha" in notes[0]
 
 
 def test_mask_token_string_is_the_one_the_tokenizer_maps_to_the_id(tmp_path):
