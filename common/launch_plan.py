@@ -35,6 +35,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.config import ConfigError, DrafterConfig, JobConfig, load_job
 from common.memory_plan import GIB, ProcessMemory, nvml_device_bytes, render
@@ -209,6 +210,19 @@ def on_gpu(job: JobConfig) -> bool:
     return any(d.startswith("cuda") for d in devices)
 
 
+def missing_target_config(job: JobConfig, target_config: str | None) -> str | None:
+    """Why the plans cannot read the target's config.json, said before four plan processes start (seconds of
+    CPU each) only to say the same; None when it is there, or when the path is a hub id the roles resolve."""
+    path = Path(target_config or job.target.path)
+    config = path if path.name == "config.json" else path / "config.json"
+    if (path.is_absolute() or path.exists() or str(path).startswith(".")) and not config.is_file():
+        return (
+            f"{config}: not found (the plans need the target's config; pass --target-config DIR where the model"
+            " is not on this machine)"
+        )
+    return None
+
+
 def memory_report(
     job: JobConfig, job_path: str, python: str, target_config: str | None, device_memory_gib: float | None
 ) -> tuple[str, list[str]]:
@@ -362,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device_map:
         print(device_map(job, args.node_rank, args.nnodes, args.master_port))
-        if args.memory:
+        missing = missing_target_config(job, args.target_config) if args.memory and on_gpu(job) else None
+        if missing:
+            print(f"planned GPU memory: not available: {missing}\nplanned throughput: not available: {missing}")
+        elif args.memory:
             table, warnings = memory_report(
                 job, os.path.abspath(args.job), args.python, args.target_config, args.device_memory
             )

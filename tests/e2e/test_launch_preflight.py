@@ -95,7 +95,7 @@ def test_a_head_loss_or_optimizer_this_version_does_not_know_stops_the_launch_li
     out = finish(proc, timeout=60)
     assert proc.returncode == 2, out
     assert sorted(out.splitlines()) == [
-        "  drafters.0.arch: unknown value 'eagle3'; this version knows: dflash1, dflash2",
+        "  drafters.0.arch: unknown value 'eagle3'; this version knows: dflash1, dflash2, dspark",
         "  drafters.0.optimizer: unknown value 'lion'; this version knows: adamw, muon",
         f"{job}: invalid job file (2 error(s))",
     ]
