@@ -11,6 +11,7 @@ import torch
 import transformers
 from pydantic import ValidationError
 
+from consumer.dflash2 import DFlash2Drafter, DFlash2Shape
 from consumer.export.layout import trainer_export_config
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.target_parts import load_target_parts
@@ -60,6 +61,11 @@ def test_yarn_frequencies_and_scale_are_the_formulas():
     want = torch.cat([angle, angle], -1)[:, None]
     torch.testing.assert_close(cos.double(), want.cos() * scale, rtol=0, atol=3e-4)  # float32 angles
     torch.testing.assert_close(sin.double(), want.sin() * scale, rtol=0, atol=3e-4)
+    arch2 = model.arch  # a DFlash2 drafter has the same rotary (consumer/dflash2.py builds on DFlashDrafter)
+    dflash2 = DFlash2Drafter(
+        arch2, DFlash2Shape(8, selector_rank=4, selector_top_k=2), torch.zeros(8, 256), torch.zeros(8, 256)
+    )
+    torch.testing.assert_close(dflash2.rope(pos), model.rope(pos), rtol=0, atol=0)
     plain = qwen3_shaped_drafter(None)  # no scaling: RoPE's own frequencies, scale 1
     torch.testing.assert_close(plain.inv_freq.double(), yarn_reference(128, 1e6, 1.0, 32768)[0], rtol=1e-6, atol=0)
     assert plain.rope_scale == 1.0
