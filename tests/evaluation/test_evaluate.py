@@ -163,6 +163,7 @@ def test_a_mismatch_is_reported(target, prompts, monkeypatch):
             g.target_forwards,
             g.seconds,
             g.accept_lengths,
+            g.context_lengths,
         )
 
     monkeypatch.setattr(ev, "speculative_generate", corrupted)
