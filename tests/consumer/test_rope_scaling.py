@@ -96,11 +96,11 @@ def test_the_job_option_reaches_the_drafter_and_the_export(tmp_path):
     (as SGLang and vLLM load a draft config) reads back as the same YaRN: the same cos/sin."""
     tiny_target(tmp_path / "target")
     parts = load_target_parts(tmp_path / "target")
-    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
     cfg = drafter_cfg(rope_scaling=yarn, rope_theta=5e5)
     trainer = Trainer(cfg, parts, LAYER_IDS, "cpu", tokens_per_batch=256)
     assert trainer.arch.rope_scaling == yarn and trainer.arch.max_position_embeddings == 256
-    inv, scale = yarn_reference(16, 5e5, 2.0, 128)
+    inv, scale = yarn_reference(16, 5e5, 2.0, 64)
     torch.testing.assert_close(trainer.model.inv_freq.double(), inv, rtol=1e-6, atol=0)
     assert trainer.model.rope_scale == pytest.approx(scale)
 
@@ -108,6 +108,7 @@ def test_the_job_option_reaches_the_drafter_and_the_export(tmp_path):
     assert exported["rope_scaling"] == yarn  # transformers 4 readers (SGLang's get_rope_config falls back to it)
     assert exported["rope_parameters"] == {**yarn, "rope_theta": 5e5}  # transformers 5: both engines read this
     assert exported["rope_theta"] == 5e5
+    assert exported["max_position_embeddings"] == 128  # 64 × 2, as vLLM derives it (the target's is 256)
     out = tmp_path / "export"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(exported))
