@@ -204,6 +204,41 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
 }
+# and the optional keys that transformers, SGLang's and vLLM's get_rope all read the same way: yarn's
+# attention_factor / mscale / mscale_all_dim / truncate are left out (transformers reads them, the engines'
+# plain "yarn" reads attn_factor instead or ignores them: the drafter would be served with other cos/sin)
+ROPE_OPTIONAL: dict[str, tuple[str, ...]] = {"linear": (), "llama3": (), "yarn": ("beta_fast", "beta_slow")}
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    """ValueError naming the key when a drafter's rope_scaling is not one the export serves as trained."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(
+            f"rope_scaling.rope_type {kind!r} is not one of {sorted(ROPE_SCALINGS)}"
+            " (the rope types with a fixed frequency table)"
+        )
+    missing = [k for k in ROPE_SCALINGS[kind] if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
+    allowed = {"rope_type", "type", *ROPE_SCALINGS[kind], *ROPE_OPTIONAL[kind]}
+    extra = sorted(set(scaling) - allowed)
+    if extra:
+        raise ValueError(
+            f"rope_scaling of type {kind!r}: unknown or unsupported key(s) {extra}; it takes {sorted(allowed - {'type'})}"
+            " (keys SGLang and vLLM serve exactly as transformers trains them)"
+        )
+    for key in sorted(set(scaling) - {"rope_type", "type"}):
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"rope_scaling.{key} must be a number, got {value!r}")
+    if scaling["factor"] < 1:
+        raise ValueError(
+            f"rope_scaling.factor must be >= 1 (the context is stretched, not shrunk), got {scaling['factor']}"
+        )
+    original = scaling.get("original_max_position_embeddings")
+    if original is not None and (not isinstance(original, int) or original < 1):
+        raise ValueError(f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}")
 
 
 SlidingBlockAttention = Literal["causal", "bidirectional"]
@@ -323,15 +358,7 @@ class DrafterConfig(_Section):
         if self.sliding_window is not None and not sliding:
             raise ValueError("sliding_window is set but no layer in layer_types is sliding_attention")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ROPE_SCALINGS:
-                raise ValueError(
-                    f"rope_scaling.rope_type {kind!r} is not one of {sorted(ROPE_SCALINGS)}"
-                    " (the rope types with a fixed frequency table)"
-                )
-            missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
-            if missing:
-                raise ValueError(f"rope_scaling of type {kind!r} needs {missing}")
+            check_rope_scaling(self.rope_scaling)
         return self
 
     @model_validator(mode="after")

@@ -81,6 +81,16 @@ class DrafterArch:
         kind = scaling.pop("rope_type", scaling.pop("type", "default"))
         return {"rope_type": kind, "rope_theta": self.rope_theta, **scaling}
 
+    @property
+    def rope_positions(self) -> int:
+        """The positions the drafter's RoPE is made for: yarn's original_max_position_embeddings × factor (what
+        vLLM derives for a yarn drafter and SpecForge exports; transformers warns when the config says another
+        length), else max_position_embeddings."""
+        p = self.rope_parameters
+        if p["rope_type"] == "yarn":
+            return int(p["original_max_position_embeddings"] * p["factor"])
+        return self.max_position_embeddings
+
 
 def rope_frequencies(arch: DrafterArch) -> tuple[Tensor, float]:
     """inv_freq [d/2] and the attention scaling cos/sin are multiplied by (yarn's mscale; 1 otherwise),
@@ -95,7 +105,7 @@ def rope_frequencies(arch: DrafterArch) -> tuple[Tensor, float]:
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,
         head_dim=d,
-        max_position_embeddings=arch.max_position_embeddings,
+        max_position_embeddings=arch.rope_positions,
         rope_parameters=params,
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")

@@ -2,6 +2,7 @@
 
     dflash-eval --target TARGET --drafter CKPT [--drafter NAME=CKPT ...] --bench gsm8k,mt-bench,FILE.jsonl
                 [--num-prompts N] [--max-new-tokens N] [--temperature T] [--thinking on|off] [--output R.json]
+                [--context-buckets 1024,4096,16384]
     dflash-eval --server URL --target TARGET --bench ...          a serving engine's own figures (eval_server)
     dflash-eval --target TARGET --drafter CKPT --prompts PROMPTS.jsonl [--limit N] [--json]
 
@@ -9,7 +10,9 @@ CKPT is an export directory (config.json + model.safetensors, ours or z-lab's la
 holding `latest`. --bench runs the public benchmarks with z-lab's prompt construction (evaluation/benchmarks.py)
 and prints one row per benchmark and drafter (evaluation/side_by_side.py). --prompts is the single-drafter
 report on one's own chat records. At temperature 0 every speculative output must equal the plain one token
-for token; any difference is a failure and the exit status is 1. Bad input exits 2 with one line.
+for token; any difference is a failure and the exit status is 1. Bad input exits 2 with one line. Both report
+τ by context length (prompt + generated tokens when a step drafts; evaluation/context_buckets.py) in the
+buckets the edges of --context-buckets make (default <1K, 1K–4K, 4K–16K, ≥16K).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transformers import AutoTokenizer
 
 from evaluation.benchmarks import BENCHMARKS, BenchmarkDataError, load_benchmark
 from evaluation.block_size import check_block_size
+from evaluation.context_buckets import DEFAULT_EDGES, check_edges
 from evaluation.evaluate import DTYPES, format_report, load_drafter, load_target, resolve_export_dir, run_eval
 from evaluation.server import ServerError
 
@@ -36,6 +40,14 @@ def drafter_arg(arg: str) -> tuple[str, str]:
         return name, path
     p = Path(arg)
     return (p.parent.name if p.name in ("latest", "best") else p.name) or arg, arg
+
+
+def context_edges(text: str) -> tuple[int, ...]:
+    """--context-buckets 1024,4096,16384 -> the edges (ValueError naming the option when malformed)."""
+    try:
+        return check_edges([int(e) for e in text.split(",") if e.strip()])
+    except ValueError as err:
+        raise ValueError(f"--context-buckets {text}: {err}") from None
 
 
 def chat_kwargs(thinking: str, extra: str | None) -> dict:
@@ -99,6 +111,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument(
+        "--context-buckets",
+        default=",".join(str(e) for e in DEFAULT_EDGES),
+        metavar="EDGES",
+        help="comma list of context-length bucket edges in tokens (default %(default)s: <1K, 1K-4K, 4K-16K, >=16K)",
+    )
     ap.add_argument("--output", help="write the JSON document here")
     ap.add_argument("--json", action="store_true", help="print the JSON document as one line, last")
     return ap
@@ -142,6 +160,7 @@ def _bench_main(args, kwargs: dict) -> int:
             chat_template_kwargs=kwargs,
             seed=args.seed,
             progress=progress,
+            bucket_edges=args.edges,
         )
     doc = document(
         results,
@@ -206,6 +225,7 @@ def _prompts_main(args) -> int:
         max_new_tokens=args.max_new_tokens or 128,
         dtype=args.dtype,
         device=args.device,
+        bucket_edges=args.edges,
     )
     print(format_report(report, Path(args.drafter[0]).name), file=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -233,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = chat_kwargs(args.thinking, args.chat_template_kwargs)
         for _, path in map(drafter_arg, args.drafter or []):  # another block than the trained one: refused
             check_block_size(resolve_export_dir(path), args.block_size)
+        args.edges = context_edges(args.context_buckets)
         if args.server:
             return _server_main(args, kwargs)
         return _bench_main(args, kwargs) if args.bench else _prompts_main(args)

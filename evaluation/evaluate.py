@@ -9,6 +9,7 @@ forwards per token and the wall-clock speedup; the command is evaluation/cli.py 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from consumer.dspark import DSPARK_ARCHITECTURE, DSparkDrafter, DSparkProposer, 
 from consumer.model import DFlashDrafter, DrafterArch
 from consumer.sliding_rule import served_rule
 from consumer.target_parts import load_target_parts
+from evaluation.context_buckets import DEFAULT_EDGES, BucketTally, format_buckets
 from evaluation.drafter_folder import EMBEDDING_KEYS, check_mask_token, check_state, load_weights, read_config
 from evaluation.side_by_side import first_difference
 from evaluation.speculative import Drafter, TargetRunner, greedy_generate, speculative_generate
@@ -184,6 +186,8 @@ class EvalReport:
     speedup: float  # time per output token, plain ÷ speculative
     lossless: bool
     mismatches: list[dict] = field(default_factory=list)  # {prompt, position, plain, speculative}
+    # τ by context length (evaluation/context_buckets.py): {label, low, high, steps, accepted, tau} per bucket
+    context_buckets: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,6 +200,7 @@ def evaluate(
     max_new_tokens: int,
     eos_token_id: int | None,
     warmup: bool = True,
+    bucket_edges: Sequence[int] = DEFAULT_EDGES,
 ) -> EvalReport:
     """Plain and speculative greedy decoding of every prompt, interleaved so load changes hit both alike."""
     if not prompts:
@@ -207,6 +212,7 @@ def evaluate(
         speculative_generate(target, drafter, ids[0], min(8, max_new_tokens), eos_token_id)
     B = drafter.block_size
     hist = [0] * B
+    buckets = BucketTally(bucket_edges)
     taus, mismatches = [], []
     plain_s = spec_s = 0.0
     tokens = forwards = 0
@@ -219,6 +225,7 @@ def evaluate(
         forwards += spec.target_forwards
         for k in spec.accept_lengths:
             hist[k - 1] += 1
+        buckets.add(spec.context_lengths, spec.accept_lengths)
         if spec.mean_accept is not None:
             taus.append(spec.mean_accept)
         pos = first_difference(plain.tokens, spec.tokens)
@@ -243,6 +250,7 @@ def evaluate(
         speedup=plain_s / spec_s if spec_s > 0 else float("nan"),
         lossless=not mismatches,
         mismatches=mismatches,
+        context_buckets=[asdict(b) for b in buckets.buckets()],
     )
 
 
@@ -255,6 +263,7 @@ def format_report(r: EvalReport, name: str = "drafter") -> str:
         f"  wall clock: plain {r.plain_seconds:.2f}s, speculative {r.speculative_seconds:.2f}s,"
         f" speedup {r.speedup:.2f}x",
         f"  lossless                       {'yes' if r.lossless else f'NO: {len(r.mismatches)} mismatch(es)'}",
+        f"  tau by context length (tokens) {format_buckets(r.context_buckets)}",
         "  acceptance length histogram:",
     ]
     lines += [f"    {k + 1:>3} {n:>6} {'#' * round(40 * n / peak)}" for k, n in enumerate(r.tau_histogram)]
@@ -271,10 +280,11 @@ def run_eval(
     max_new_tokens: int = 128,
     dtype: str = "float32",
     device: str = "cpu",
+    bucket_edges: Sequence[int] = DEFAULT_EDGES,
 ) -> EvalReport:
     """Load everything from disk and evaluate: what the CLI and the demo run."""
     drafter = load_drafter(drafter_ckpt, target_path, dtype, device)
     target = load_target(target_path, drafter.layer_ids, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True)
     prompts = load_prompts(prompts_path, tokenizer, limit)
-    return evaluate(target, drafter, prompts, max_new_tokens, tokenizer.eos_token_id)
+    return evaluate(target, drafter, prompts, max_new_tokens, tokenizer.eos_token_id, bucket_edges=bucket_edges)

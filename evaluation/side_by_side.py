@@ -11,13 +11,14 @@ one response: τ is the mean over responses of each response's mean acceptance l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from evaluation.benchmarks import BenchPrompt, render
+from evaluation.context_buckets import DEFAULT_EDGES, BucketTally, format_buckets
 from evaluation.speculative import (
     Drafter,
     Generation,
@@ -43,6 +44,8 @@ class DrafterResult:
     speedup: float  # time per output token, plain ÷ speculative
     lossless: bool | None  # temperature 0: every response equals the plain one; None at T > 0
     mismatches: list[dict] = field(default_factory=list)  # {prompt, turn, position, plain, speculative}
+    # τ by context length (evaluation/context_buckets.py): {label, low, high, steps, accepted, tau} per bucket
+    context_buckets: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -63,8 +66,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 class _Tally:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, bucket_edges: Sequence[int] = DEFAULT_EDGES):
         self.block_size = block_size
+        self.buckets = BucketTally(bucket_edges)
         self.hist = [0] * block_size
         self.taus: list[float] = []
         self.tokens = self.forwards = 0
@@ -77,6 +81,7 @@ class _Tally:
         self.seconds += g.seconds
         for k in g.accept_lengths:
             self.hist[k - 1] += 1
+        self.buckets.add(g.context_lengths, g.accept_lengths)
         if g.mean_accept is not None:
             self.taus.append(g.mean_accept)
 
@@ -95,6 +100,7 @@ class _Tally:
             speedup=plain_tpot / tpot if tpot > 0 else float("nan"),
             lossless=(not self.mismatches) if greedy else None,
             mismatches=self.mismatches,
+            context_buckets=[asdict(b) for b in self.buckets.buckets()],
         )
 
 
@@ -111,6 +117,7 @@ def run_benchmark(
     warmup: bool = True,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    bucket_edges: Sequence[int] = DEFAULT_EDGES,
 ) -> BenchmarkResult:
     """Every prompt's every turn: plain once, then each drafter. stop_token_ids None: the tokenizer's
     EOS (z-lab's `stop_token_ids=[tokenizer.eos_token_id]`)."""
@@ -134,7 +141,7 @@ def run_benchmark(
         greedy_generate(target, ids, min(8, max_new_tokens), stops, temperature)
         for name, d in drafters.items():
             speculative_generate(runners[name], d, ids, min(8, max_new_tokens), stops, temperature)
-    tallies = {name: _Tally(d.block_size) for name, d in drafters.items()}
+    tallies = {name: _Tally(d.block_size, bucket_edges) for name, d in drafters.items()}
     plain_tokens, plain_seconds, responses = 0, 0.0, 0
     for done, p in enumerate(prompts):
         if progress is not None:
@@ -191,7 +198,8 @@ def format_table(results: dict[str, BenchmarkResult], temperature: float, chat_t
     """One row per (benchmark, drafter); the histogram row under it gives % of steps accepting 1..B."""
     head = [
         f"temperature {temperature:g}, chat_template_kwargs {chat_template_kwargs or {}}",
-        "tau: mean tokens per step (bonus included); speedup: time per token, plain / speculative",
+        "tau: mean tokens per step (bonus included); speedup: time per token, plain / speculative;"
+        " context length: prompt + generated tokens when the step drafts",
     ]
     cols = f"{'benchmark':<10} {'drafter':<14} {'resp':>5} {'tau':>6} {'tok/s':>8} {'plain':>8} {'speedup':>7} lossless"
     lines = [*head, cols, "-" * len(cols)]
@@ -205,4 +213,5 @@ def format_table(results: dict[str, BenchmarkResult], temperature: float, chat_t
             lines.append(
                 f"{'':<10} {'':<14} accepted 1..{d.block_size} (% of steps): {_histogram_cell(d.tau_histogram)}"
             )
+            lines.append(f"{'':<10} {'':<14} tau by context length (steps): {format_buckets(d.context_buckets)}")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -130,6 +130,8 @@ class Generation:
     target_forwards: int
     seconds: float
     accept_lengths: list[int]  # per speculative step, a+1 ∈ [1, B]; empty for plain greedy
+    # per speculative step, the tokens committed when the drafter proposed (prompt + generated, anchor included)
+    context_lengths: list[int] = field(default_factory=list)
 
     @property
     def mean_accept(self) -> float | None:
@@ -172,8 +174,9 @@ def speculative_generate(
     logits, context = target.forward(prompt, cache, capture=True)  # prefill; context [P, n·H]
     tokens = torch.cat([prompt, prompt.new_tensor([_pick(logits[-1], temperature)])])  # the last is the anchor
     new = [int(tokens[-1])]
-    forwards, accepts = 1, []
+    forwards, accepts, contexts = 1, [], []
     while len(new) < max_new_tokens and new[-1] not in stops:
+        contexts.append(int(tokens.numel()))
         if temperature == 0.0:
             drafts = drafter.propose(context, tokens).to(tokens.device, tokens.dtype)
         else:
@@ -201,4 +204,4 @@ def speculative_generate(
         new += step
         if stops.intersection(step):
             break
-    return Generation(_finish(new, max_new_tokens, stops), forwards, time.perf_counter() - t0, accepts)
+    return Generation(_finish(new, max_new_tokens, stops), forwards, time.perf_counter() - t0, accepts, contexts)

@@ -46,7 +46,8 @@ def export_config(
     layers (Qwen2's convention; layer_types is authoritative); is_causal false says every layer is
     non-causal, sliding ones included, unless the sliding layers' block is causal (then `is_causal` is left
     out: consumer/sliding_rule.py); the MASK token as its id and its string (SGLang reads both); bos/eos
-    are the target's."""
+    are the target's; max_position_embeddings is the target's, or a yarn drafter's original × factor
+    (DrafterArch.rope_positions)."""
     kinds = list(arch.attention_layers)
     sliding = "sliding_attention" in kinds
     scaling = {k: v for k, v in arch.rope_parameters.items() if k != "rope_theta"} if arch.rope_scaling else None
@@ -74,7 +75,7 @@ def export_config(
         "rope_theta": arch.rope_theta,
         "rope_scaling": scaling,
         "rope_parameters": arch.rope_parameters,
-        "max_position_embeddings": parts.max_position_embeddings,
+        "max_position_embeddings": arch.rope_positions if arch.rope_scaling else parts.max_position_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
         **sliding_export_keys(arch.sliding_block_attention, kinds),

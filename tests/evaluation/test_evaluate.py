@@ -163,6 +163,7 @@ def test_a_mismatch_is_reported(target, prompts, monkeypatch):
             g.target_forwards,
             g.seconds,
             g.accept_lengths,
+            g.context_lengths,
         )
 
     monkeypatch.setattr(ev, "speculative_generate", corrupted)
@@ -222,6 +223,8 @@ def test_cli_on_saved_target_and_exported_drafter(tmp_path, capsys):
             "12",
             "--threads",
             "1",
+            "--context-buckets",
+            "8,16",
             "--json",
         ]
     )
@@ -229,6 +232,34 @@ def test_cli_on_saved_target_and_exported_drafter(tmp_path, capsys):
     assert rc == 0
     assert out["lossless"] and out["prompts"] == 2 and out["block_size"] == 4
     assert 1.0 <= out["tau"] <= 4 and sum(out["tau_histogram"]) > 0
+    buckets = out["context_buckets"]  # every step in one bucket, its tokens counted once
+    assert [b["label"] for b in buckets] == ["<8", "8–16", "≥16"]
+    assert sum(b["steps"] for b in buckets) == sum(out["tau_histogram"])
+    assert sum(b["accepted"] for b in buckets) == sum((k + 1) * n for k, n in enumerate(out["tau_histogram"]))
+
+
+@pytest.mark.parametrize("edges", ["16,8", "0,8", "8,x"])
+def test_cli_refuses_bad_context_bucket_edges(tmp_path, capsys, edges):
+    rc = main(
+        ["--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts", "p.jsonl", "--context-buckets", edges]
+    )
+    assert rc == 2
+    assert capsys.readouterr().err.startswith(f"dflash-eval: --context-buckets {edges}: ")
+
+
+def test_tau_by_context_length_counts_each_step_where_it_drafts(target, prompts):
+    """Right for every slot while fewer than 20 tokens are committed, then for 2: on the 3-token prompt the
+    steps draft at 4 and 12 tokens (8 accepted each), then at 20, 23, ..., 35 (3 each) until 33 are made."""
+    right = lambda tokens: 7 if len(tokens) < 20 else 2  # noqa: E731
+    spec = speculative_generate(target, ScriptedDrafter(target, 8, right), torch.tensor(prompts[0]), 33, None)
+    assert spec.context_lengths == [4, 12, 20, 23, 26, 29, 32, 35]
+    assert spec.accept_lengths == [8, 8, 3, 3, 3, 3, 3, 3]
+    report = evaluate(
+        target, ScriptedDrafter(target, 8, right), prompts[:1], 33, None, warmup=False, bucket_edges=(10, 20)
+    )
+    by = {b["label"]: (b["steps"], b["accepted"], b["tau"]) for b in report.context_buckets}
+    assert by == {"<10": (1, 8, 8.0), "10–20": (1, 8, 8.0), "≥20": (6, 18, 3.0)}
+    assert report.tau == pytest.approx(34 / 8)  # the response's own mean: all its steps together
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_vl", "gpt_oss"])

@@ -327,6 +327,9 @@ def test_table_tau_and_histograms_against_a_hand_count(assets):
         assert d.tau == tau and d.lossless is True and d.generated_tokens == 4 * 31
         assert d.tau_histogram == [4 * steps if k == slot else 0 for k in range(8)]
         assert d.target_forwards_per_token == pytest.approx((1 + steps) / 31)
+        short = d.context_buckets[0]  # every prompt here is far under 1K tokens: one bucket holds every step
+        assert (short["label"], short["steps"], short["tau"]) == ("<1K", 4 * steps, tau)
+        assert [b["steps"] for b in d.context_buckets[1:]] == [0, 0, 0]
     table = format_table({"mt-bench": r}, 0.0, {"enable_thinking": False})
     rows = [line.split() for line in table.splitlines() if line.startswith("mt-bench")]
     assert [(row[1], row[2], row[3]) for row in rows] == [
@@ -335,6 +338,7 @@ def test_table_tau_and_histograms_against_a_hand_count(assets):
         ("right3", "4", "4.00"),
     ]
     assert "accepted 1..8 (% of steps): 0 0 100 0 0 0 0 0" in table
+    assert "tau by context length (steps): <1K 3.00 (40) | 1K–4K - (0) | 4K–16K - (0) | ≥16K - (0)" in table
 
 
 def test_sampling_path_reports_no_losslessness(assets):
