@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.temperature >= 0.0:
             raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
         kwargs = chat_kwargs(args.thinking, args.chat_template_kwargs)
+        args.edges = context_edges(args.context_buckets)  # the arguments first, then the folders they name
         for _, path in map(drafter_arg, args.drafter or []):  # another block than the trained one: refused
             check_block_size(resolve_export_dir(path), args.block_size)
-        args.edges = context_edges(args.context_buckets)
         if args.server:
             return _server_main(args, kwargs)
         return _bench_main(args, kwargs) if args.bench else _prompts_main(args)
