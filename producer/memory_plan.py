@@ -161,7 +161,7 @@ def plan_target(job: JobConfig, text: PretrainedConfig) -> list[ProcessMemory]:
     acts = forward_peak(prefix_of_every_kind(shard), t.dtype, job.data.tokens_per_batch)
     width = (len(t.layer_ids) if t.layer_ids else t.num_features) * int(text.hidden_size)
     ring = job.transport.slots * (
-        job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, width, t.dtype)
+        job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, width, job.slot_feature_dtype)
     )
     out = []
     for replica in range(t.replicas):
