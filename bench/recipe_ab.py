@@ -1,14 +1,15 @@
 """The recipe A/B on the demo: one job, one drafter per (variant × block size), evaluated on the held-out set.
 
     python -m bench.recipe_ab [--run-dir runs/recipe_ab] [--assets runs/demo/assets] [--quick]
-                              [--variants JSON] [--blocks 16 8] [--limit N]
+                              [--variants JSON] [--blocks 16 8] [--limit N] [--features target|fp8]
 
 Every drafter of one job trains on the same batches of the same target forward (the producer runs it once
 for all), for the same steps, from the same seed: the variants differ only in their drafter keys. A variant
 is a name and a dict of drafter-key overrides (VARIANTS; --variants '{"name": {...}}' replaces them), so a
 new recipe (arch = "dflash2", a sliding-window rule) is one more entry. The job is the demo's own
 (demo.job.job_doc, its assets via a link), run by launch.sh as real processes; the evaluation is the
-demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table row per drafter: variant,
+demo's (demo.job.evaluate_demo: held-out τ, lossless check). A job-wide key (--features: how the target
+features travel through the ring) is compared by two runs of the same plan, one value each. Prints one table row per drafter: variant,
 block, τ, Δτ against the first variant at that block, lossless; writes RUN_DIR/recipe_ab.json.
 """
 
@@ -44,7 +45,9 @@ def drafter_name(variant: str, block: int) -> str:
     return f"{variant}_b{block}"
 
 
-def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: list[int], quick: bool) -> Path:
+def write_job(
+    run_dir: Path, assets: Path, variants: dict[str, dict], blocks: list[int], quick: bool, features: str = "target"
+) -> Path:
     """The demo's job with one drafter per (variant, block), its assets linked into run_dir."""
     ready = assets / READY
     if not ready.is_file():
@@ -69,6 +72,7 @@ def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: li
         report["train_batches"] = planned_batches(assets / "train.jsonl", tokenizer, size, 0, validation=None)
     doc = job_doc(run_dir.resolve(), size, report, drafters_spec=spec)
     doc["job"]["name"] = "recipe_ab"
+    doc["transport"]["features"] = features
     doc["data"] = {
         k: v for k, v in doc["data"].items() if k not in ("validation", "eval_every", "validation_max_records")
     }
@@ -113,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", type=json.loads, default=None, help='{"name": {drafter key: value}, ...}')
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 8])
     ap.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out prompts")
+    ap.add_argument("--features", choices=["target", "fp8"], default="target", help="transport.features")
     ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds the training job may take")
     args = ap.parse_args(argv)
     variants = args.variants or VARIANTS
-    job = write_job(args.run_dir, args.assets, variants, args.blocks, args.quick)
+    job = write_job(args.run_dir, args.assets, variants, args.blocks, args.quick, args.features)
     print(f"recipe_ab: {len(variants) * len(args.blocks)} drafters in {job}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     env = {**os.environ, "DFLASH_PLOTS": "0"}
