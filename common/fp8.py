@@ -17,13 +17,15 @@ CHUNK = 1 << 24  # values quantised at a time: bounds the float32 temporary (64 
 
 
 def quantize_rows(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
-    """Quantise `x` [T, W] into `out` (float8_e4m3fn [T, W]) and `scale` (float32 [T]), in place."""
-    amax = x.abs().amax(dim=1).float()
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    scale.copy_(s)
+    """Quantise `x` [T, W] into `out` (float8_e4m3fn [T, W]) and `scale` (float32 [T]), in place, CHUNK values
+    at a time (its temporaries: two float32 chunks)."""
     rows = max(1, CHUNK // max(1, x.shape[1]))
     for a in range(0, x.shape[0], rows):
-        out[a : a + rows].copy_((x[a : a + rows].float() / s[a : a + rows, None]).clamp_(-E4M3_MAX, E4M3_MAX))
+        chunk = x[a : a + rows].to(torch.float32, copy=True)  # divided in place below: never x itself
+        amax = chunk.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        scale[a : a + rows].copy_(s)
+        out[a : a + rows].copy_(chunk.div_(s[:, None]).clamp_(-E4M3_MAX, E4M3_MAX))
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
