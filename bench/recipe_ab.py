@@ -1,7 +1,7 @@
 """The recipe A/B on the demo: one job, one drafter per (variant × block size), evaluated on the held-out set.
 
     python -m bench.recipe_ab [--run-dir runs/recipe_ab] [--assets runs/demo/assets] [--quick]
-                              [--variants JSON] [--blocks 16 8] [--epochs N] [--limit N]
+                              [--variants JSON] [--blocks 16 8] [--epochs N] [--limit N] [--features target|fp8]
 
 Every drafter of one job trains on the same batches of the same target forward (the producer runs it once
 for all), for the same steps, from the same seed: the variants differ only in their drafter keys. A variant
@@ -12,6 +12,8 @@ demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table r
 block, τ, Δτ against the first variant at that block, lossless, and its cost from its consumer log
 (bench/ab_logs.py: compute ms per step, anchors and candidates per batch); writes RUN_DIR/recipe_ab.json.
 --epochs N trains N passes over the data instead of the demo's 2 (a cheaper A/B; the lr schedule follows).
+A job-wide key (--features: how the target features travel through the ring) is compared by two runs of the
+same plan, one value each.
 """
 
 from __future__ import annotations
@@ -49,10 +51,16 @@ def drafter_name(variant: str, block: int) -> str:
 
 
 def write_job(
-    run_dir: Path, assets: Path, variants: dict[str, dict], blocks: list[int], quick: bool, epochs: int | None = None
+    run_dir: Path,
+    assets: Path,
+    variants: dict[str, dict],
+    blocks: list[int],
+    quick: bool,
+    epochs: int | None = None,
+    features: str = "target",
 ) -> Path:
     """The demo's job with one drafter per (variant, block), its assets linked into run_dir; `epochs`: passes
-    over the data (None: the demo's)."""
+    over the data (None: the demo's); `features`: transport.features."""
     ready = assets / READY
     if not ready.is_file():
         raise SystemExit(
@@ -78,6 +86,7 @@ def write_job(
         report["train_batches"] = planned_batches(assets / "train.jsonl", tokenizer, size, 0, validation=None)
     doc = job_doc(run_dir.resolve(), size, report, drafters_spec=spec)
     doc["job"]["name"] = "recipe_ab"
+    doc["transport"]["features"] = features
     doc["data"] = {
         k: v for k, v in doc["data"].items() if k not in ("validation", "eval_every", "validation_max_records")
     }
@@ -129,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 8])
     ap.add_argument("--epochs", type=int, default=None, help="passes over the data (default: the demo's 2)")
     ap.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out prompts")
+    ap.add_argument("--features", choices=["target", "fp8"], default="target", help="transport.features")
     ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds the training job may take")
     args = ap.parse_args(argv)
     variants = args.variants or VARIANTS
-    job = write_job(args.run_dir, args.assets, variants, args.blocks, args.quick, args.epochs)
+    job = write_job(args.run_dir, args.assets, variants, args.blocks, args.quick, args.epochs, args.features)
     print(f"recipe_ab: {len(variants) * len(args.blocks)} drafters in {job}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     env = {**os.environ, "DFLASH_PLOTS": "0"}

@@ -18,6 +18,9 @@ Timed span, on the producer's clock, per batch: from "the batch is ready in the 
   memcpy        one in-process copy of the same bytes into a preallocated buffer, no other process, from
                 and to memory that is not in cache (buffers rotate through 128 MiB): the cost of one copy
                 on this machine, timed once per batch of every variant, under the same load.
+  fp8           transport.features = "fp8" (common/fp8.py): the bytes a slot's layout takes for the same batch
+                with bf16 and with FP8 features (e4m3 and a float32 scale per row), their ratio, and the
+                quantise (producer) and dequantise (consumer, to bf16) times of that batch, in this process.
 The ring and mpqueue_pool paths each cost two copies plus a round trip of small messages, so their floor
 is `2 × memcpy + zmq_roundtrip` (reported per size as `e2e_ms_two_copy_floor`); `e2e_growth_1_to_256MiB`
 of a copy-bound path follows `memcpy_growth_1_to_256MiB`.
@@ -46,7 +49,8 @@ import torch
 import torch.multiprocessing as tmp
 import zmq
 
-from common.packed_batch import SEQ_TAG, PackedBatch, slot_items
+from common.fp8 import dequantize_rows, quantize_rows
+from common.packed_batch import FP8, SCALE, SEQ_TAG, PackedBatch, slot_items
 from common.ring import SlotRing, layout_from_wire, layout_to_wire, plan_layout
 from consumer.copy_out import CopyOut
 from producer.slot_table import SlotTable
@@ -348,6 +352,35 @@ def _serve(ctx: zmq.Context, workdir: str, mode: str, run, max_bytes: int, *args
             raise RuntimeError(f"{mode} consumer exited with status {code}")
 
 
+def layout_bytes(tokens: int, feature_dtype: str) -> int:
+    """Bytes from a slot's start to the end of its last tensor: what one batch occupies."""
+    last = plan_layout(slot_items(tokens, 1, WIDTH, feature_dtype))[-1]
+    return last.offset + last.nbytes
+
+
+def run_fp8(sizes: dict, reps: int) -> dict:
+    """Bytes per batch bf16 vs FP8 (from the slot layout) and the quantise / dequantise times per batch."""
+    out: dict = {"bytes_per_batch": {"bf16": {}, "fp8": {}}, "fp8_over_bf16_bytes": {}, "quantize_ms": {}}
+    out["dequantize_ms"] = {}
+    for label, nbytes in sizes.items():
+        tokens = tokens_for(nbytes)
+        bf16, fp8 = layout_bytes(tokens, "bfloat16"), layout_bytes(tokens, FP8)
+        out["bytes_per_batch"]["bf16"][label], out["bytes_per_batch"]["fp8"][label] = bf16, fp8
+        out["fp8_over_bf16_bytes"][label] = round(fp8 / bf16, 4)
+        x = torch.randn(tokens, WIDTH).to(torch.bfloat16)
+        views = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in slot_items(tokens, 1, WIDTH, FP8)}
+        quant, dequant = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            quantize_rows(x, views["hidden"], views[SCALE])
+            t1 = time.perf_counter()
+            dequantize_rows(views["hidden"], views[SCALE], torch.bfloat16)
+            quant.append(t1 - t0)
+            dequant.append(time.perf_counter() - t1)
+        out["quantize_ms"][label], out["dequantize_ms"][label] = _ms(quant), _ms(dequant)
+    return out
+
+
 def _ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 4)
 
@@ -420,6 +453,15 @@ def print_table(result: dict, sizes: dict) -> None:
             f"{key}: {result[key]}"
             + (f" (target {bound}: {'met' if result['targets_met'][key] else 'MISSED'})" if bound else "")
         )
+    if "fp8" in result:
+        f = result["fp8"]
+        print("fp8 features: size, bytes per batch bf16 / fp8, fp8/bf16, quantise ms, dequantise ms")
+        for label in sizes:
+            print(
+                f"{label:>12} {f['bytes_per_batch']['bf16'][label]:>12} {f['bytes_per_batch']['fp8'][label]:>12}"
+                f" {f['fp8_over_bf16_bytes'][label]:>8.4f} {f['quantize_ms'][label]:>10.2f}"
+                f" {f['dequantize_ms'][label]:>10.2f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -458,6 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
     mpq = run_mpqueue_pool(sizes, reps, warmup, gap, floor)
     result = summarise(sizes, ring, mpq, zcopy, floor.samples, args.gap_ms)
     result["reps"] = reps
+    result["fp8"] = run_fp8(sizes, max(3, reps[min(reps)] // 10))
     print_table(result, sizes)
     if args.json:
         print(json.dumps(result))

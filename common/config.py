@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from common import hub
+from common.packed_batch import slot_feature_dtype
 from common.run_paths import RunPaths
 from common.target_probe import target_problem
 
@@ -173,6 +174,9 @@ class TransportConfig(_Section):
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     attach_timeout_s: Annotated[float, Field(gt=0)] = 600.0  # producer waits this long for every group
     on_dead_group: Literal["block", "skip"] = "block"
+    # how the target features travel in a slot: "target" (the target's dtype) or "fp8" (e4m3, one float32
+    # scale per row: 1 byte + 4/width per value; the consumer dequantises to the target's dtype)
+    features: Literal["target", "fp8"] = "target"
 
     @model_validator(mode="after")
     def _timeout_covers_heartbeats(self) -> TransportConfig:
@@ -435,6 +439,11 @@ class JobConfig(_Section):
         if self.transport.kind != "auto":
             return self.transport.kind
         return "cuda" if self.target.devices_of(0)[0].startswith("cuda") else "cpu"
+
+    @property
+    def slot_feature_dtype(self) -> str:
+        """The dtype of `hidden` in a ring slot (transport.features: the target's, or FP8)."""
+        return slot_feature_dtype(self.target.dtype, self.transport.features)
 
     @property
     def run_paths(self) -> RunPaths:

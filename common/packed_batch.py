@@ -24,7 +24,11 @@ FEATURES = "features"  # a field's dtype placeholder: the target's feature dtype
 # Optional layout entry: int64 [1], the seq a slot holds. The producer sets it to -1 before rewriting a slot
 # and to the batch's seq after; a consumer reads it after copying, so a slot reused under it is detected.
 SEQ_TAG = "seq_tag"
-ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
+# transport.features = "fp8": `hidden` travels as FP8 e4m3 and this float32 [T] column beside it holds each
+# row's scale (amax / 448); the consumer dequantises right after its copy-out (common/fp8.py)
+FP8 = "float8_e4m3fn"
+SCALE = "hidden_scale"
+ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, FP8: 1}
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,18 @@ NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 HOST_FIELDS: frozenset[str] = frozenset(f.name for f in FIELDS if f.on_host)
 
 
+def slot_feature_dtype(target_dtype: str, features: str) -> str:
+    """The dtype `hidden` has in a slot: the target's, or FP8 under transport.features = "fp8"."""
+    return FP8 if features == "fp8" else target_dtype
+
+
 def slot_items(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[tuple[str, str, tuple]]:
-    """(name, dtype, shape) of every tensor a slot holds for this batch, the seq tag last (it fits the
-    slot's sample-id allowance, see `required_slot_bytes`); `common.ring.plan_layout` places them."""
+    """(name, dtype, shape) of every tensor a slot holds for this batch (FP8 features: their scale column
+    after them), the seq tag last (it fits the slot's sample-id allowance, see `required_slot_bytes`);
+    `common.ring.plan_layout` places them."""
     items = [(f.name, f.dtype_of(feature_dtype), f.shape(tokens, sequences, feature_width)) for f in FIELDS]
+    if feature_dtype == FP8:
+        items.insert(1, (SCALE, "float32", (tokens,)))
     return [*items, (SEQ_TAG, "int64", (1,))]
 
 
@@ -76,6 +88,8 @@ def required_slot_bytes(tokens: int, feature_width: int, dtype: str, max_sequenc
         for d in f.shape(tokens, seqs, feature_width):
             n *= d
         total += aligned(n)
+    if dtype == FP8:
+        total += aligned(tokens * ITEM_BYTES["float32"])  # the per-row scales
     return total + aligned(seqs * 8)
 
 
@@ -90,7 +104,7 @@ class PackedBatch:
     input_ids: Tensor  # [T] int64
     loss_mask: Tensor  # [T] uint8, on the host
     cu_seqlens: Tensor  # [B+1] int32, on the host
-    hidden: Tensor | None = None  # [T, n·H] target dtype
+    hidden: Tensor | None = None  # [T, n·H] target dtype (the consumer's: dequantised when it came as FP8)
 
     @property
     def num_tokens(self) -> int:
@@ -107,12 +121,15 @@ class PackedBatch:
 
 __all__ = [
     "FIELDS",
+    "FP8",
     "HOST_FIELDS",
     "NAMES",
+    "SCALE",
     "SEQ_TAG",
     "SLOT_ALIGN",
     "Field",
     "PackedBatch",
     "required_slot_bytes",
+    "slot_feature_dtype",
     "slot_items",
 ]

@@ -28,7 +28,18 @@ HEADER_BYTES = 4096  # one page before slot 0: keeps slot 0 page aligned
 _HEADER = struct.Struct("<8sIIQQQ16s")  # magic, version, num_slots, slot_bytes, total_bytes, pid, canary
 _MAGIC = b"DFRING01"
 _VERSION = 1
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
+_DTYPE_NAMES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "float8_e4m3fn",
+)
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (*_DTYPE_NAMES, "bool")}
 _MAX_DIMS = 8
 _UNSEALED = object()  # a CUDA slot written since its last write_event

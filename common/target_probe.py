@@ -46,6 +46,9 @@ class JobView(Protocol):
     data: _Data
     transport: _Transport
 
+    @property
+    def slot_feature_dtype(self) -> str: ...
+
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -166,12 +169,12 @@ def slot_capacity_problem(job: JobView) -> str | None:
     width = target_feature_width(job)
     if width is None:
         return None
-    need = required_slot_bytes(job.data.tokens_per_batch, width, job.target.dtype)
+    need = required_slot_bytes(job.data.tokens_per_batch, width, job.slot_feature_dtype)
     if job.transport.slot_bytes < need:
         return (
             f"transport.slot_bytes: {job.transport.slot_bytes} bytes is smaller than the largest"
             f" batch ({need} bytes for data.tokens_per_batch={job.data.tokens_per_batch} tokens ×"
-            f" {width} features in {job.target.dtype}); raise it or set 0 to size it automatically"
+            f" {width} features in {job.slot_feature_dtype}); raise it or set 0 to size it automatically"
         )
     return None
 

@@ -17,10 +17,11 @@ import torch
 
 from common.channel import ConsumerChannel, PeerLost
 from common.config import JobConfig
-from common.packed_batch import NAMES, PackedBatch
+from common.fp8 import dequantized
+from common.packed_batch import NAMES, SCALE, PackedBatch
 from common.profile import ProfileStats
 from common.protocol import Attached, Batch, Bye, End, Fail, Hello, Release, Welcome, describe
-from common.ring import SEQ_TAG, RingError, SlotRing, layout_from_wire
+from common.ring import DTYPES, SEQ_TAG, RingError, SlotRing, layout_from_wire
 from common.security import client_curve, private_dir
 from consumer.copy_out import CopyOut, copy_out_rows
 
@@ -207,6 +208,8 @@ class BatchStream:
             missing = set(NAMES) - views.keys()
             if missing:
                 raise RingError(f"layout lacks {sorted(missing)}")
+            if views["hidden"].dtype == torch.float8_e4m3fn and SCALE not in views:
+                raise RingError(f"FP8 hidden without its {SCALE!r} column")
         except RingError as err:
             log.error("batch %d: bad layout from the producer (%s); releasing it untouched", msg.seq, err)
             self._release(msg)
@@ -233,6 +236,7 @@ class BatchStream:
             self._reattach("a slot was reused under this session")
             return None
         self._release(msg)
+        out = dequantized(out, DTYPES[self.job.target.dtype])  # FP8 hand-off: back to the target's dtype
         self.last_copy_s = time.perf_counter() - start
         if self.prof:
             self.prof.add("copy_out", self.last_copy_s)

@@ -172,7 +172,7 @@ def ring_before_target(job: JobConfig, node: int, replica: int) -> SlotRing | No
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
     n = len(job.target.layer_ids) if job.target.layer_ids else job.target.num_features
-    return create_ring(job, replica, job.ring_name(node, replica), n * hidden, job.target.dtype)
+    return create_ring(job, replica, job.ring_name(node, replica), n * hidden, job.slot_feature_dtype)
 
 
 def load_job_target(job: JobConfig, device: str) -> TargetCapture:

@@ -23,9 +23,10 @@ import torch
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from common.config import JobConfig, dflash_layer_ids
+from common.fp8 import CHUNK
 from common.launch_plan import producer_name
 from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, frozen_peak
-from common.packed_batch import required_slot_bytes
+from common.packed_batch import ITEM_BYTES, required_slot_bytes
 from common.target_keys import set_layer_count
 from common.target_probe import EXPERT_COUNT_KEYS
 
@@ -161,7 +162,7 @@ def plan_target(job: JobConfig, text: PretrainedConfig) -> list[ProcessMemory]:
     acts = forward_peak(prefix_of_every_kind(shard), t.dtype, job.data.tokens_per_batch)
     width = (len(t.layer_ids) if t.layer_ids else t.num_features) * int(text.hidden_size)
     ring = job.transport.slots * (
-        job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, width, t.dtype)
+        job.transport.slot_bytes or required_slot_bytes(job.data.tokens_per_batch, width, job.slot_feature_dtype)
     )
     out = []
     for replica in range(t.replicas):
@@ -171,6 +172,8 @@ def plan_target(job: JobConfig, text: PretrainedConfig) -> list[ProcessMemory]:
             parts = {"weights": weights, "forward": acts}
             if rank == 0 and job.transport_kind == "cuda":
                 parts["ring"] = ring
+            if rank == 0 and job.transport.features == "fp8":  # the forward's output before quantisation
+                parts["fp8_staging"] = job.data.tokens_per_batch * width * ITEM_BYTES[t.dtype] + 2 * CHUNK * 4
             parts["cuda_context"] = CUDA_CONTEXT_BYTES
             out.append(ProcessMemory(producer_name(replica, rank), dev, parts))
     return out

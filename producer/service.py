@@ -16,12 +16,15 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from common.accounting import DeliveryLedger
 from common.backoff import Backoff
 from common.channel import PeerLost, ProducerChannel, Received
 from common.config import JobConfig
+from common.fp8 import quantize_rows
 from common.host_memory import keep_freed_memory
-from common.packed_batch import FIELDS, PackedBatch, required_slot_bytes, slot_items
+from common.packed_batch import FIELDS, SCALE, PackedBatch, required_slot_bytes, slot_feature_dtype, slot_items
 from common.profile import ProfileStats, timed
 from common.protocol import DATA_EXHAUSTED, Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
@@ -104,8 +107,10 @@ class ProducerService:
         self.counters = ProducerCounters()
         if job.transport_kind == "cpu":
             keep_freed_memory()  # each forward's activations reuse the last forward's pages (common/host_memory.py)
-        self.feature_dtype = str(target.dtype).removeprefix("torch.")
-        assert self.feature_dtype in DTYPES
+        target_dtype = str(target.dtype).removeprefix("torch.")
+        assert target_dtype in DTYPES
+        self.feature_dtype = slot_feature_dtype(target_dtype, job.transport.features)  # hidden's dtype in a slot
+        self._features: torch.Tensor | None = None  # FP8 hand-off: the forward's output, quantised into the slot
         t = job.transport
         self.ring = ring or create_ring(job, replica, ring_name, target.feature_width, self.feature_dtype)
         need = required_slot_bytes(job.data.tokens_per_batch, target.feature_width, self.feature_dtype)
@@ -243,9 +248,16 @@ class ProducerService:
         tokens, seqs = int(batch.input_ids.shape[0]), int(batch.cu_seqlens.shape[0]) - 1
         layout = slot_layout(tokens, seqs, self.target.feature_width, self.feature_dtype)
         views = self.ring.begin_write(slot, layout)  # the seq tag is invalid from here on
-        with timed(self.prof, "forward"):
-            self.target.forward(batch.input_ids, batch.cu_seqlens, out=views["hidden"])  # features land in the slot
+        fp8 = SCALE in views
+        with timed(self.prof, "forward"):  # features land in the slot, or in a buffer to quantise from
+            features = self.target.forward(
+                batch.input_ids,
+                batch.cu_seqlens,
+                out=self._features_buffer(tokens, views["hidden"].device) if fp8 else views["hidden"],
+            )
         with timed(self.prof, "write_slot"):
+            if fp8:
+                quantize_rows(features, views["hidden"], views[SCALE])
             from_host = {f.name: getattr(batch, f.name) for f in FIELDS if f.name != "hidden"}
             self.ring.end_write(slot, views, from_host, batch.seq)  # queued (CUDA): waited for at its publish
         return layout
@@ -267,6 +279,13 @@ class ProducerService:
         self._end_startup()
         if self.stats:
             self.stats.maybe_publish(step=self.counters.batches, extra_gauges={"slots_in_use": self.table.in_use})
+
+    def _features_buffer(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """The target-dtype rows the forward writes before FP8 quantisation; allocated once at the largest batch."""
+        if self._features is None or self._features.shape[0] < tokens:
+            rows = max(tokens, self.job.data.tokens_per_batch)
+            self._features = torch.empty(rows, self.target.feature_width, dtype=self.target.dtype, device=device)
+        return self._features[:tokens]
 
     def _publish(self, slot: int, batch: PackedBatch, layout: list[TensorSpec]) -> None:
         members = self.delivery.recipients(batch.seq)

@@ -233,6 +233,17 @@ def test_plans_of_a_job_name_each_process_on_each_device_with_its_parts(tmp_path
     assert consumer[0].parts["frozen_embed_head"] == 2 * 4096 * 256 * 2  # embedding and LM head in bf16
 
 
+def test_an_fp8_hand_off_plans_half_the_ring_and_its_staging_buffer(tmp_path, target_dir):
+    path = _job_file(tmp_path, target_dir)
+    path.write_text(path.read_text().replace('kind = "cuda"', 'kind = "cuda"\nfeatures = "fp8"'))
+    (producer,) = plan_target(load_job(path), read_text_config(target_dir))
+    # 512 tokens × 768 features: a bf16 slot is 797,440 B, an FP8 one 406,272 B (393,216 + 2,048 B of scales)
+    assert producer.parts["ring"] == 3 * 406_272
+    assert 3 * required_slot_bytes(512, 768, "bfloat16") == 3 * 797_440
+    # the forward writes 512 × 768 bf16 before quantising, in float32 chunks of 2^24 values (input and quotient)
+    assert producer.parts["fp8_staging"] == 786_432 + 2 * 2**24 * 4
+
+
 @pytest.mark.slow
 def test_dry_run_prints_the_plan_per_device_and_warns_when_over(tmp_path, target_dir):
     """launch.sh --dry-run → common.launch_plan --device-map --memory → the two roles' memory-plan commands."""

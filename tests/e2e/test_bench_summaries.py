@@ -38,6 +38,14 @@ def test_transport_summary_ratios_floor_and_growth():
     }
 
 
+def test_transport_fp8_key_halves_the_bytes_per_batch():
+    f = transport.run_fp8({"1MiB": 1 << 20}, reps=1)
+    # 204 tokens × 2560 features: bf16 1,044,480 B of features; fp8 522,240 B plus 816 B of float32 scales
+    assert f["bytes_per_batch"] == {"bf16": {"1MiB": 1_046_792}, "fp8": {"1MiB": 525_576}}
+    assert f["fp8_over_bf16_bytes"] == {"1MiB": 0.5021}
+    assert f["quantize_ms"]["1MiB"] > 0 and f["dequantize_ms"]["1MiB"] > 0
+
+
 def test_transport_ring_copy_out_keeps_the_consumers_own_bytes():
     batch = transport.make_batch(1 << 20, seq=12)
     mine = transport.copy_out(transport.own_buffers(4 << 20), batch)
