@@ -257,6 +257,7 @@ LEFT_OUT = {
     "accelerate": "transformers' tensor parallelism (target.tp_size > 1) only",
     "hypothesis": "property tests; no CUDA test file uses it",
     "ruff": "the formatter",
+    "pytest-xdist": "parallel workers for `make test`; gpu_check runs its tests stage in one process",
 }
 
 

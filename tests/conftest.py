@@ -4,6 +4,8 @@ decorated, i.e. when consumer.kernels is imported)."""
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRITON_INTERPRET_PRESET = os.environ.get("TRITON_INTERPRET")  # a user's own choice is kept
@@ -66,3 +68,12 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     if session.config.getoption("--write-durations") and not WORKER:
         DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, indent=0) + "\n")
+
+
+@pytest.fixture
+def short_tmp():
+    """A fresh folder with a short path (/tmp/dft-XXXXXXXX) for a run folder: its ipc:// socket paths must stay
+    within 107 characters, which pytest's tmp_path (longer under xdist: .../popen-gwN/...) can exceed."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="dft-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

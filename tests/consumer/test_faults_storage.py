@@ -26,11 +26,11 @@ from tests.consumer.test_drafter_common import (
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
+def tmpfs(short_tmp):
     mounted = []
 
     def mount(size_kib: int, *, read_only: bool = False):
-        path = tmp_path / f"mnt{len(mounted)}"
+        path = short_tmp / f"mnt{len(mounted)}"  # a run folder's socket paths are short
         path.mkdir()
         opts = f"size={size_kib}k" + (",ro" if read_only else "")
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)

@@ -31,8 +31,8 @@ print("consumer-d0-r0 INFO saving checkpoint step_20", flush=True)
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    path = tmp_path / "disk"
+def small_disk(short_tmp):
+    path = short_tmp / "disk"  # a run folder's socket paths are short
     path.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True)
     if done.returncode:

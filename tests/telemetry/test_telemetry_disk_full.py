@@ -54,8 +54,8 @@ def test_a_write_that_fails_is_dropped_counted_truncated_back_and_the_recovery_s
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    path = tmp_path / "disk"
+def small_disk(short_tmp):
+    path = short_tmp / "disk"  # a run folder's socket paths are short
     path.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True)
     if done.returncode:
