@@ -6,9 +6,10 @@
 Every drafter of one job trains on the same batches of the same target forward (the producer runs it once
 for all), for the same steps, from the same seed: the variants differ only in their drafter keys. A variant
 is a name and a dict of drafter-key overrides (VARIANTS; --variants '{"name": {...}}' replaces them), so a
-new recipe (arch = "dflash2", a sliding-window rule) is one more entry. The job is the demo's own
-(demo.job.job_doc, its assets via a link), run by launch.sh as real processes; the evaluation is the
-demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table row per drafter: variant,
+new recipe (arch = "dflash2", a sliding-window rule) is one more entry. A row "block b" drafts b - 1 tokens
+verified b wide whatever the head: a DSpark variant (its block_size counts drafted tokens) trains block b - 1.
+The job is the demo's own (demo.job.job_doc, its assets via a link), run by launch.sh as real processes; the
+evaluation is the demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table row per drafter: variant,
 block, τ, Δτ against the first variant at that block, lossless; writes RUN_DIR/recipe_ab.json.
 """
 
@@ -44,6 +45,12 @@ def drafter_name(variant: str, block: int) -> str:
     return f"{variant}_b{block}"
 
 
+def trained_block(overrides: dict, block: int) -> int:
+    """The block_size that drafts what a DFlash block of `block` drafts (block - 1 tokens, verified `block`
+    wide): a DSpark block counts drafted tokens (every slot drafts), so its row "block 16" trains block 15."""
+    return block - 1 if overrides.get("arch") == "dspark" else block
+
+
 def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: list[int], quick: bool) -> Path:
     """The demo's job with one drafter per (variant, block), its assets linked into run_dir."""
     ready = assets / READY
@@ -59,7 +66,11 @@ def write_job(run_dir: Path, assets: Path, variants: dict[str, dict], blocks: li
             raise SystemExit(f"recipe_ab: {link} exists and is not a link to {assets}")
     else:
         link.symlink_to(assets.resolve(), target_is_directory=True)
-    spec = tuple((drafter_name(v, b), b, overrides) for v, overrides in variants.items() for b in blocks)
+    spec = tuple(
+        (drafter_name(v, b), trained_block(overrides, b), overrides)
+        for v, overrides in variants.items()
+        for b in blocks
+    )
     size = QUICK if quick else FULL
     # every drafter trains on all of train.jsonl (no data.validation split): the variants are compared by
     # decoding the held-out prompts (heldout.jsonl), and the rows stay comparable with runs made before the split
