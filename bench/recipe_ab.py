@@ -6,14 +6,15 @@
 Every drafter of one job trains on the same batches of the same target forward (the producer runs it once
 for all), for the same steps, from the same seed: the variants differ only in their drafter keys. A variant
 is a name and a dict of drafter-key overrides (VARIANTS; --variants '{"name": {...}}' replaces them), so a
-new recipe (arch = "dflash2", a sliding-window rule) is one more entry. The job is the demo's own
-(demo.job.job_doc, its assets via a link), run by launch.sh as real processes; the evaluation is the
-demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table row per drafter: variant,
-block, τ, Δτ against the first variant at that block, lossless, and its cost from its consumer log
-(bench/ab_logs.py: compute ms per step, anchors and candidates per batch); writes RUN_DIR/recipe_ab.json.
---epochs N trains N passes over the data instead of the demo's 2 (a cheaper A/B; the lr schedule follows).
-A job-wide key (--features: how the target features travel through the ring) is compared by two runs of the
-same plan, one value each.
+new recipe (arch = "dflash2", a sliding-window rule) is one more entry. A row "block b" drafts b - 1 tokens
+verified b wide whatever the head: a DSpark variant (its block_size counts drafted tokens) trains block b - 1.
+The job is the demo's own (demo.job.job_doc, its assets via a link), run by launch.sh as real processes; the
+evaluation is the demo's (demo.job.evaluate_demo: held-out τ, lossless check). Prints one table row per
+drafter: variant, block, τ, Δτ against the first variant at that block, lossless, and its cost from its
+consumer log (bench/ab_logs.py: compute ms per step, anchors and candidates per batch); writes
+RUN_DIR/recipe_ab.json. --epochs N trains N passes over the data instead of the demo's 2 (a cheaper A/B; the
+lr schedule follows). A job-wide key (--features: how the target features travel through the ring) is
+compared by two runs of the same plan, one value each.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def drafter_name(variant: str, block: int) -> str:
     return f"{variant}_b{block}"
 
 
+def trained_block(overrides: dict, block: int) -> int:
+    """The block_size that drafts what a DFlash block of `block` drafts (block - 1 tokens, verified `block`
+    wide): a DSpark block counts drafted tokens (every slot drafts), so its row "block 16" trains block 15."""
+    return block - 1 if overrides.get("arch") == "dspark" else block
+
+
 def write_job(
     run_dir: Path,
     assets: Path,
@@ -74,7 +81,11 @@ def write_job(
             raise SystemExit(f"recipe_ab: {link} exists and is not a link to {assets}")
     else:
         link.symlink_to(assets.resolve(), target_is_directory=True)
-    spec = tuple((drafter_name(v, b), b, overrides) for v, overrides in variants.items() for b in blocks)
+    spec = tuple(
+        (drafter_name(v, b), trained_block(overrides, b), overrides)
+        for v, overrides in variants.items()
+        for b in blocks
+    )
     size = QUICK if quick else FULL
     if epochs is not None:
         size = dataclasses.replace(size, epochs=epochs)

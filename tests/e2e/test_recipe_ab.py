@@ -45,7 +45,8 @@ def test_the_ab_job_has_one_drafter_per_variant_and_block_with_its_overrides(tmp
 
 
 def test_a_dspark_variant_is_a_drafter_of_its_own_arch(tmp_path):
-    """bench.recipe_ab --quick --variants '{"dspark": {"arch": "dspark"}}': the head A/B's DSpark entry."""
+    """bench.recipe_ab --quick --variants '{"dspark": {"arch": "dspark"}}': the head A/B's DSpark entry, its row
+    "block b" trained at block b - 1 so that it drafts b - 1 tokens verified b wide, as a DFlash block of b does."""
     from bench.recipe_ab import main
 
     assets = tmp_path / "assets"
@@ -57,8 +58,8 @@ def test_a_dspark_variant_is_a_drafter_of_its_own_arch(tmp_path):
     assert [(d.name, d.arch, d.block_size) for d in drafters] == [
         ("dflash1_b16", "dflash1", 16),
         ("dflash1_b8", "dflash1", 8),
-        ("dspark_b16", "dspark", 16),
-        ("dspark_b8", "dspark", 8),
+        ("dspark_b16", "dspark", 15),
+        ("dspark_b8", "dspark", 7),
     ]
     assert drafters[2].markov_rank == 256 and drafters[2].loss_gamma == 4.0  # DeepSpec's recipe defaults
     with pytest.raises(SystemExit, match="no complete demo build"):  # the command line parses the same variants
