@@ -66,8 +66,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    """--write-durations: this run's files replace their entries; files it did not run keep theirs."""
     if session.config.getoption("--write-durations") and not WORKER:
-        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, indent=0) + "\n")
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        known |= {k: round(v, 1) for k, v in _file_seconds.items()}
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
 
 
 @pytest.fixture
