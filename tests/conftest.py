@@ -4,11 +4,16 @@ decorated, i.e. when consumer.kernels is imported)."""
 import json
 import os
 import pathlib
+import resource
 import shutil
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TRITON_INTERPRET_PRESET = os.environ.get("TRITON_INTERPRET")  # a user's own choice is kept
+# A user's own TRITON_INTERPRET is kept. What the user set is read once, in the first pytest process, and handed to
+# pytest-xdist's workers, which inherit the environment this file has already changed by then.
+os.environ.setdefault("DFLASH_TEST_TRITON_INTERPRET_PRESET", os.environ.get("TRITON_INTERPRET", ""))
+TRITON_INTERPRET_PRESET = os.environ["DFLASH_TEST_TRITON_INTERPRET_PRESET"] or None
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_DIR", str(ROOT / ".cache" / "wandb"))
@@ -45,6 +50,33 @@ def pytest_addoption(parser):
         action="store_true",
         help=f"write each test file's wall seconds of this run to {DURATIONS.relative_to(ROOT)} (the suite's order)",
     )
+    parser.addoption(
+        "--cpu-log",
+        metavar="FILE",
+        help="append a JSON line a test to FILE: its wall seconds and the CPU seconds of the test process and of the"
+        " processes it started and reaped (launch.sh's included): where the suite's time goes, also under xdist",
+    )
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """--cpu-log: setup, call and teardown of one test, the fixtures it built included."""
+    path = item.config.getoption("--cpu-log")
+    if not path:
+        yield
+        return
+    (own0, children0), t0 = _cpu_seconds(), time.monotonic()
+    yield
+    own1, children1 = _cpu_seconds()
+    row = {"test": item.nodeid, "wall": round(time.monotonic() - t0, 3), "cpu_self": round(own1 - own0, 3)}
+    row["cpu_children"] = round(children1 - children0, 3)
+    with open(path, "a") as f:  # one short line a write: the workers' lines do not interleave
+        f.write(json.dumps(row) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):
