@@ -12,6 +12,7 @@ device with one decoder layer (no memory, no weights read).
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 
@@ -19,11 +20,34 @@ import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from common.weight_files import WeightFileError, safetensors_files
+
+
+class TargetFolderError(ValueError):
+    """The target's model folder or its config.json is missing or unreadable; the message names the path."""
+
+
+def read_target_config(path: Path) -> PretrainedConfig:
+    """The config of the model folder `path` (the checkpoint's class config: a wrapper's, not its text config),
+    with one line naming what is wrong when there is no usable one."""
+    if not path.is_dir():
+        what = "is a file, not a model directory" if path.exists() else "target model directory does not exist"
+        raise TargetFolderError(f"{path}: {what}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise TargetFolderError(f"{path}: no config.json in the target model directory (a Hugging Face model folder)")
+    try:
+        json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TargetFolderError(f"{cfg_file}: not valid JSON: {err}") from None
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetFolderError(f"{cfg_file}: not a usable model config: {err}") from None
 
 
 def set_layer_count(config: PretrainedConfig, keep: int) -> None:

@@ -13,17 +13,23 @@ a 27B target costs two [V, H] reads, never the vision tower or the layers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from common.target_keys import checkpoint_class, meta_model, parameter_names, stored_keys
+from common.target_keys import (
+    TargetFolderError,
+    checkpoint_class,
+    meta_model,
+    parameter_names,
+    read_target_config,
+    stored_keys,
+)
 from common.weight_files import WeightFileError, check_weight_files
 
 
@@ -76,20 +82,10 @@ def load_target_parts(path: str | Path, dtype: torch.dtype | None = None) -> Tar
 
 
 def _read_config(path: Path) -> PretrainedConfig:
-    if not path.is_dir():
-        what = "is a file, not a model directory" if path.exists() else "target model directory does not exist"
-        raise TargetPartsError(f"{path}: {what}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise TargetPartsError(f"{path}: no config.json in the target directory (is this a Hugging Face model dir?)")
     try:
-        json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TargetPartsError(f"{cfg_file}: not valid JSON: {err}") from None
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise TargetPartsError(f"{cfg_file}: not a usable model config: {err}") from None
+        return read_target_config(path)
+    except TargetFolderError as err:
+        raise TargetPartsError(str(err)) from None
 
 
 def _dims(text: PretrainedConfig, cfg_file: Path) -> dict:

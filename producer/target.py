@@ -23,22 +23,23 @@ only), else eager.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig
+from transformers import AutoModel, PretrainedConfig
 from transformers.distributed import DistributedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
 from common.config import dflash_layer_ids
 from common.target_keys import (
+    TargetFolderError,
     checkpoint_class,
     decoder_key_mapping,
     meta_model,
+    read_target_config,
     set_layer_count,
     stored_keys,
     submodule_name,
@@ -253,17 +254,7 @@ def _errors_only(record: logging.LogRecord) -> bool:
 
 
 def _read_config(path: Path) -> PretrainedConfig:
-    if not path.is_dir():
-        what = "is a file, not a model directory" if path.exists() else "target model directory does not exist"
-        raise TargetLoadError(f"{path}: {what}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise TargetLoadError(f"{path}: no config.json in the target model directory")
     try:
-        json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TargetLoadError(f"{cfg_file}: not valid JSON: {err}") from None
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise TargetLoadError(f"{cfg_file}: not a usable model config: {err}") from err
+        return read_target_config(path)
+    except TargetFolderError as err:
+        raise TargetLoadError(str(err)) from None
