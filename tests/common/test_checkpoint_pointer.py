@@ -12,26 +12,19 @@ from safetensors.torch import load_file
 from common.accounting_check import final_ledger_id
 from common.checkpoint_pointer import read_pointer, write_pointer
 from consumer.checkpoint import load_latest, save_checkpoint
-from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from evaluation.evaluate import resolve_export_dir
 from tests.consumer.test_drafter_common import (
     LAYER_IDS,
-    distinct_seqs,
     drafter_cfg,
-    packed,
-    target_features,
-    tiny_target,
+    parts_and_batch,
 )
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    model = tiny_target(path)
-    seqs = distinct_seqs([20, 18])
-    batch = (target_features(model, seqs), *packed(seqs))
-    trainer = Trainer(drafter_cfg(num_layers=1), load_target_parts(path), LAYER_IDS, "cpu")
+    parts, batch = parts_and_batch(tmp_path_factory.mktemp("target"), [20, 18])
+    trainer = Trainer(drafter_cfg(num_layers=1), parts, LAYER_IDS, "cpu")
     trainer.train_batch(*batch, seq=0)
     return trainer
 

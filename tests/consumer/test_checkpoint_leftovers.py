@@ -16,24 +16,17 @@ from common.checkpoint_pointer import BEST, read_pointer
 from common.storage import check_writable
 from consumer.best_checkpoint import RECORD, BestCheckpoint, settle_best
 from consumer.checkpoint import STATE_FILE, NoIntactCheckpoint, resume_checkpoint, save_checkpoint
-from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from tests.consumer.test_drafter_common import (
     LAYER_IDS,
-    distinct_seqs,
     drafter_cfg,
-    packed,
-    target_features,
-    tiny_target,
+    parts_and_batch,
 )
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    model = tiny_target(path)
-    seqs = distinct_seqs([30, 26])
-    return load_target_parts(path), (target_features(model, seqs), *packed(seqs))
+    return parts_and_batch(tmp_path_factory.mktemp("target"), [30, 26])
 
 
 def _two(setup, root: Path) -> tuple[Path, Path]:

@@ -15,26 +15,19 @@ from consumer import checkpoint
 from consumer.checkpoint import load_latest, save_checkpoint
 from consumer.export import layout
 from consumer.export.layout import export_config, write_export
-from consumer.target_parts import load_target_parts
 from consumer.trainer import Trainer
 from tests.consumer.test_drafter_common import (
     LAYER_IDS,
-    distinct_seqs,
     drafter_cfg,
-    packed,
-    target_features,
-    tiny_target,
+    parts_and_batch,
 )
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-layer drafter after two steps on a tiny target, and the batch it saw."""
-    path = tmp_path_factory.mktemp("target")
-    model = tiny_target(path)
-    seqs = distinct_seqs([30, 26])
-    batch = (target_features(model, seqs), *packed(seqs))
-    trainer = Trainer(drafter_cfg(num_layers=2), load_target_parts(path), LAYER_IDS, "cpu")
+    parts, batch = parts_and_batch(tmp_path_factory.mktemp("target"), [30, 26])
+    trainer = Trainer(drafter_cfg(num_layers=2), parts, LAYER_IDS, "cpu")
     for s in range(2):
         trainer.train_batch(*batch, seq=s)
     return trainer, batch

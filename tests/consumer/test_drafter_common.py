@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from common.config import DrafterConfig
+from consumer.target_parts import TargetParts, load_target_parts
 
 TINY = dict(
     hidden_size=64,
@@ -54,6 +55,14 @@ def distinct_seqs(lengths: list[int], vocab: int = 500, seed: int = 1) -> list[t
     """Sequences of distinct tokens: each token determines what follows it (learnable by heart)."""
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
     return list(perm[: sum(lengths)].split(lengths))
+
+
+def parts_and_batch(path: Path, lengths: list[int]) -> tuple[TargetParts, tuple]:
+    """A tiny target saved at `path`, the drafter's parts of it, and one packed batch of distinct sequences of
+    `lengths` tokens: (features, ids, loss mask, cu_seqlens)."""
+    model = tiny_target(path)
+    seqs = distinct_seqs(lengths)
+    return load_target_parts(path), (target_features(model, seqs), *packed(seqs))
 
 
 def drafter_cfg(**overrides) -> DrafterConfig:

@@ -9,26 +9,18 @@ import torch
 
 from common.profile import ProfileStats
 from consumer.checkpoint import load_latest, save_checkpoint
-from consumer.target_parts import load_target_parts
 from consumer.trainer import NonFiniteTrainingError, SkipCounters, SkipCounts, Trainer, lr_factor
 from tests.consumer.test_drafter_common import (
     LAYER_IDS,
-    distinct_seqs,
     drafter_cfg,
-    packed,
-    target_features,
-    tiny_target,
+    parts_and_batch,
 )
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny target on disk, its parts, and one packed batch of two sequences with their features."""
-    path = tmp_path_factory.mktemp("target")
-    model = tiny_target(path)
-    seqs = distinct_seqs([40, 56])
-    ids, mask, cu = packed(seqs)
-    return load_target_parts(path), (target_features(model, seqs), ids, mask, cu)
+    return parts_and_batch(tmp_path_factory.mktemp("target"), [40, 56])
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
