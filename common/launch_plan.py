@@ -7,7 +7,8 @@
                                     and each device's planned GPU memory peak (common/memory_plan.py);
                                     exit 3 when a device is planned over its memory
                                     then each stage's time per batch, the bottleneck and samples/s
-                                    [--device h100|h200] [--sample-tokens N] (common/throughput_plan.py)
+                                    [--device h100|h200] [--sample-tokens N] (common/throughput_plan.py);
+                                    both from one `plan` process per role (common/role_plans.py)
     python -m common.launch_plan JOB.toml --env-files DIR   systemd: one environment file per process, units to enable
 
 Each line: `name critical log_path command...` separated by tabs, the command's words shell-quoted.
@@ -32,15 +33,15 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError, DrafterConfig, JobConfig, load_job
 from common.memory_plan import GIB, ProcessMemory, nvml_device_bytes, render
+from common.role_plans import RolePlans, run_role_plans
 from common.target_probe import target_files_problem
-from common.throughput_plan import DEVICES, throughput_report
+from common.throughput_plan import DEVICES, sample_length, throughput_report
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
@@ -199,7 +200,6 @@ def device_map(job: JobConfig, node_rank: int = 0, nnodes: int = 1, master_port:
     return "\n".join(lines)
 
 
-MEMORY_PLAN_TIMEOUT_S = 600
 EXIT_OVER_MEMORY = 3  # --memory: a device planned over its memory (the warnings name the process and the keys)
 
 
@@ -211,7 +211,7 @@ def on_gpu(job: JobConfig) -> bool:
 
 
 def missing_target_config(job: JobConfig, target_config: str | None) -> str | None:
-    """Why the plans cannot read the target's config.json, said before four plan processes start (seconds of
+    """Why the plans cannot read the target's config.json, said before the two plan processes start (seconds of
     CPU each) only to say the same; None when it is there, or when the path is a hub id the roles resolve."""
     path = Path(target_config or job.target.path)
     config = path if path.name == "config.json" else path / "config.json"
@@ -223,41 +223,31 @@ def missing_target_config(job: JobConfig, target_config: str | None) -> str | No
     return None
 
 
-def memory_report(
-    job: JobConfig, job_path: str, python: str, target_config: str | None, device_memory_gib: float | None
-) -> tuple[str, list[str]]:
-    """The per-device planned peak: each role plans its own processes (`python -m producer memory-plan`,
-    `python -m consumer memory-plan`, run as commands: common imports no role), summed here per device."""
-    if not on_gpu(job):
-        return "planned GPU memory: every process of this job runs on the CPU", []
-    extra = ["--target-config", target_config] if target_config else []
-    procs = {
-        role: subprocess.Popen(
-            [python, "-m", role, "memory-plan", job_path, "--json", *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for role in ("producer", "consumer")
-    }  # side by side: each takes seconds of CPU
-    entries: list[ProcessMemory] = []
-    failure = None
-    for role, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=MEMORY_PLAN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            failure = failure or f"{role} memory-plan took over {MEMORY_PLAN_TIMEOUT_S} s"
-            continue
-        if proc.returncode != 0:
-            failure = failure or (err.strip().splitlines() or [f"{role} memory-plan: exit {proc.returncode}"])[-1]
-            continue
-        entries += [ProcessMemory.from_json(line) for line in out.splitlines() if line.startswith("{")]
-    if failure:
-        return f"planned GPU memory: not available: {failure}", []
+def memory_report(entries: list[ProcessMemory], device_memory_gib: float | None) -> tuple[str, list[str]]:
+    """The per-device planned peak of both roles' memory entries (the `{"memory": ...}` lines of their `plan`
+    commands, common/role_plans.py), summed per device, and a warning per device over its memory."""
     default = int(device_memory_gib * GIB) if device_memory_gib else None
     return render(entries, nvml_device_bytes(), default)
+
+
+def plans_report(job: JobConfig, job_path: str, python: str, args: argparse.Namespace) -> tuple[str, int]:
+    """The dry run's planned GPU memory and throughput of a job on GPUs: one `plan` process per role, side by
+    side, rendered as the two sections; and the exit code (EXIT_OVER_MEMORY when a device is planned over)."""
+    missing = missing_target_config(job, args.target_config)
+    sample = sample_length(job, args.sample_tokens)
+    plans = RolePlans(failure=missing) if missing else run_role_plans(python, job_path, args.target_config, sample[0])
+    if plans.failure:
+        return (
+            f"planned GPU memory: not available: {plans.failure}\nplanned throughput: not available: {plans.failure}",
+            0,
+        )
+    table, warnings = memory_report(plans.memory, args.device_memory)
+    lines = [table, *warnings, throughput_report(job, plans.works, sample, args.device, args.device_memory)]
+    if warnings:
+        lines.append(
+            f"{len(warnings)} device(s) planned over their memory: the job does not fit (exit {EXIT_OVER_MEMORY})"
+        )
+    return "\n".join(lines), EXIT_OVER_MEMORY if warnings else 0
 
 
 def systemd_instance(proc: ProcessSpec) -> str | None:
@@ -376,32 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device_map:
         print(device_map(job, args.node_rank, args.nnodes, args.master_port))
-        missing = missing_target_config(job, args.target_config) if args.memory and on_gpu(job) else None
-        if missing:
-            print(f"planned GPU memory: not available: {missing}\nplanned throughput: not available: {missing}")
-        elif args.memory:
-            table, warnings = memory_report(
-                job, os.path.abspath(args.job), args.python, args.target_config, args.device_memory
-            )
-            print(table)
-            for w in warnings:
-                print(w)
-            over = len(warnings)
-            if on_gpu(job):  # the time side (common/throughput_plan.py)
-                print(
-                    throughput_report(
-                        job,
-                        os.path.abspath(args.job),
-                        args.python,
-                        args.target_config,
-                        args.device,
-                        args.device_memory,
-                        args.sample_tokens,
-                    )
-                )
-            if over:
-                print(f"{over} device(s) planned over their memory: the job does not fit (exit {EXIT_OVER_MEMORY})")
-                return EXIT_OVER_MEMORY
+        if args.memory and on_gpu(job):
+            report, code = plans_report(job, os.path.abspath(args.job), args.python, args)
+            print(report)
+            return code
+        if args.memory:
+            print("planned GPU memory: every process of this job runs on the CPU")
         return 0
     for p in procs:
         print(f"{p.name}\t{int(p.critical)}\t{p.log}\t{shlex.join(p.command)}")

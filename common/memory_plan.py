@@ -13,6 +13,8 @@ allocator's fragmentation (the warning threshold leaves WARN_FRACTION of headroo
 
     python -m producer memory-plan JOB [--target-config DIR] [--json]     the target ranks and their rings
     python -m consumer memory-plan JOB [--target-config DIR] [--json]     the drafter replicas
+(launch.sh --dry-run runs each role's `plan`, its memory entries and its throughput work in one process:
+common/role_plans.py)
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ class ProcessMemory:
 
     @classmethod
     def from_json(cls, line: str) -> ProcessMemory:
-        d = json.loads(line)
+        return cls.from_dict(json.loads(line))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ProcessMemory:
         return cls(str(d["process"]), str(d["device"]), {str(k): int(v) for k, v in d["parts"].items()})
 
 

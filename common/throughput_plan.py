@@ -2,12 +2,13 @@
 published peak (launch.sh --dry-run prints it after the memory plan).
 
 Each role counts the work of its own stages at the job's shapes (`python -m producer throughput-plan`,
-`python -m consumer throughput-plan`; common/flop_model.py's arithmetic on the shapes the memory plan
-builds) and emits one `Work` line per stage: per batch, on one process of the stage, amounts of three
-resources: matmul FLOPs (at MFU × the device's dense bf16 peak), HBM bytes and link bytes (at
-BANDWIDTH_FRACTION of the published bandwidth). A stage's processes share its batches (the target replicas
-make every other batch; a drafter's replicas train every R-th), and every batch passes every stage once
-(each batch goes to one replica of every drafter), so the job runs at the slowest stage's rate.
+`python -m consumer throughput-plan`, or `python -m ROLE plan` with the memory plan in one process:
+common/role_plans.py; common/flop_model.py's arithmetic on the shapes the memory plan builds) and emits one
+`Work` line per stage: per batch, on one process of the stage, amounts of three resources: matmul FLOPs (at
+MFU × the device's dense bf16 peak), HBM bytes and link bytes (at BANDWIDTH_FRACTION of the published
+bandwidth). A stage's processes share its batches (the target replicas make every other batch; a drafter's
+replicas train every R-th), and every batch passes every stage once (each batch goes to one replica of every
+drafter), so the job runs at the slowest stage's rate.
 
 The hand-off is its own stage: the producer's ring GPU sends each batch's features to one replica of every
 drafter (NVLink between GPUs, HBM on the same GPU, PCIe through a host ring); the consumers' double buffers
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from dataclasses import asdict, dataclass, field
 
 # SpecForge's measured MFU on 8×H200 (reference/dflash.md §5): trainer 43.5–44.1 %, target prefill ≈ 43 %
@@ -72,7 +72,10 @@ class Work:
 
     @classmethod
     def from_json(cls, line: str) -> Work:
-        d = json.loads(line)["work"]
+        return cls.from_dict(json.loads(line)["work"])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Work:
         parts = {str(k): (str(r), float(a)) for k, (r, a) in d["parts"].items()}
         steps = (float(d.get("per_step", 1.0)), tuple(map(str, d.get("step_parts", ()))))
         return cls(str(d["stage"]), int(d["processes"]), parts, str(d.get("note", "")), *steps)
@@ -201,20 +204,9 @@ def render(
     return "\n".join(lines)
 
 
-PLAN_TIMEOUT_S = 300
-
-
-def throughput_report(
-    job,
-    job_path: str,
-    python: str,
-    target_config: str | None,
-    kind: str | None,
-    device_memory_gib: float | None,
-    sample_tokens: int | None,
-    mfu: float = DEFAULT_MFU,
-) -> str:
-    """Both roles' `throughput-plan` commands (run as commands: common imports no role), rendered."""
+def sample_length(job, sample_tokens: int | None) -> tuple[int, str]:
+    """The samples' mean length the plan's samples/s is at, and where it comes from: --sample-tokens, else the
+    published run's mean, else data.max_length; at most a batch."""
     reference = REFERENCES.get(job.job.name)
     if sample_tokens:
         how = "--sample-tokens"
@@ -222,32 +214,18 @@ def throughput_report(
         sample_tokens, how = reference.mean_sample_tokens, "the published run's mean"
     else:
         sample_tokens, how = job.data.max_length, "data.max_length: every sample full; --sample-tokens to change"
-    sample_tokens = min(sample_tokens, job.data.tokens_per_batch)
-    extra = ["--target-config", target_config] if target_config else []
-    procs = {
-        role: subprocess.Popen(
-            [python, "-m", role, "throughput-plan", job_path, "--sample-tokens", str(sample_tokens), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for role in ("producer", "consumer")
-    }
-    works: list[Work] = []
-    failure = None
-    for role, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=PLAN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            failure = failure or f"{role} throughput-plan took over {PLAN_TIMEOUT_S} s"
-            continue
-        if proc.returncode != 0:
-            failure = failure or (err.strip().splitlines() or [f"{role} throughput-plan: exit {proc.returncode}"])[-1]
-            continue
-        works += [Work.from_json(line) for line in out.splitlines() if line.startswith("{")]
-    if failure:
-        return f"planned throughput: not available: {failure}"
+    return min(sample_tokens, job.data.tokens_per_batch), how
+
+
+def throughput_report(
+    job,
+    works: list[Work],
+    sample: tuple[int, str],
+    kind: str | None,
+    device_memory_gib: float | None,
+    mfu: float = DEFAULT_MFU,
+) -> str:
+    """Both roles' work (the Work lines of their `plan` commands, common/role_plans.py), rendered at `sample`
+    (sample_length's)."""
     device, device_how = infer_device(kind, device_memory_gib)
-    return render(works, device, device_how, mfu, job.data.tokens_per_batch, sample_tokens, how, reference)
+    return render(works, device, device_how, mfu, job.data.tokens_per_batch, *sample, REFERENCES.get(job.job.name))

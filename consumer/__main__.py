@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from consumer.throughput_plan import main as throughput_plan
 
         return throughput_plan(argv[1:])
+    if argv[:1] == ["plan"]:  # both in one process, as JSON lines (consumer/dry_run_plan.py; launch.sh --dry-run)
+        from consumer.dry_run_plan import main as plan
+
+        return plan(argv[1:])
     ap = argparse.ArgumentParser(prog="dflash-consumer", description=__doc__)
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--drafter", required=True, help="drafter name, as in [[drafters]] name")

@@ -33,6 +33,7 @@ from torch import Tensor
 from common.config import DrafterConfig, JobConfig
 from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, tracked_peak
 from common.packed_batch import ITEM_BYTES
+from common.role_plans import PlanInputError, plan_command
 from consumer.copy_out import copy_out_rows, planned_device_bytes
 from consumer.objective import anchor_budget
 
@@ -287,24 +288,17 @@ def plan_drafters(job: JobConfig, config) -> list[ProcessMemory]:
     return out
 
 
-class PlanInputError(Exception):
-    """One line: the job file or the target's config.json a plan subcommand could not read."""
+DESCRIPTION = (
+    "the drafter replicas' planned GPU memory (common/memory_plan.py), one JSON line per process and device with --json"
+)
 
 
-def plan_inputs(job_path: str, target_config: str | None):
-    """The job and its target's config (`target_config` or target.path) for the consumer's plan subcommands
-    (memory-plan, throughput-plan)."""
+def read_config(job: JobConfig, folder: str):
+    """The plan commands' input reader (common/role_plans.py): the target's config, as plan_drafters reads it."""
     from transformers import AutoConfig
 
-    from common.config import ConfigError, load_job
-
     try:
-        job = load_job(job_path)
-    except ConfigError as err:
-        raise PlanInputError(str(err)) from None
-    folder = target_config or job.target.path
-    try:
-        return job, AutoConfig.from_pretrained(folder, local_files_only=True)
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise PlanInputError(
             f"{folder}/config.json: cannot read the target's config ({err}); pass"
@@ -313,23 +307,5 @@ def plan_inputs(job_path: str, target_config: str | None):
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(
-        prog="python -m consumer memory-plan",
-        description="the drafter replicas' planned"
-        " GPU memory (common/memory_plan.py), one JSON line per process and device with --json",
-    )
-    ap.add_argument("job")
-    ap.add_argument("--target-config", default=None, help="the target's model directory (default: target.path)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        job, config = plan_inputs(args.job, args.target_config)
-    except PlanInputError as err:
-        print(f"consumer memory-plan: {err}", file=sys.stderr)
-        return 2
-    for e in plan_drafters(job, config):
-        print(e.to_json() if args.json else f"{e.process} {e.device} {e.parts}")
-    return 0
+    """`python -m consumer memory-plan JOB [--target-config DIR] [--json]`: one line per process and device."""
+    return plan_command("consumer", "memory-plan", argv, DESCRIPTION, read_config, memory=plan_drafters)

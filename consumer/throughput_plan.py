@@ -29,7 +29,9 @@ from common.flop_model import (
     newton_schulz_flops,
     ring_allreduce_bytes,
 )
+from common.role_plans import plan_command
 from common.throughput_plan import Work
+from consumer.memory_plan import read_config
 from consumer.model import DrafterArch
 from consumer.muon import TRANSFER_DTYPE, assign_owners
 from consumer.objective import anchor_budget
@@ -127,26 +129,9 @@ def plan_works(job: JobConfig, config, sample_tokens: int) -> list[Work]:
     ]
 
 
+DESCRIPTION = "each drafter's work per batch on one replica (common/throughput_plan.py)"
+
+
 def main(argv: list[str]) -> int:
-    import argparse
-    import sys
-
-    from consumer.memory_plan import PlanInputError, plan_inputs
-
-    ap = argparse.ArgumentParser(
-        prog="python -m consumer throughput-plan",
-        description="each drafter's work per batch on one replica (common/throughput_plan.py)",
-    )
-    ap.add_argument("job")
-    ap.add_argument("--target-config", default=None, help="the target's model directory (default: target.path)")
-    ap.add_argument("--sample-tokens", type=int, default=None, help="mean sample length (default: data.max_length)")
-    args = ap.parse_args(argv)
-    try:
-        job, config = plan_inputs(args.job, args.target_config)
-    except PlanInputError as err:
-        print(f"consumer throughput-plan: {err}", file=sys.stderr)
-        return 2
-    sample = min(args.sample_tokens or job.data.max_length, job.data.tokens_per_batch)
-    for w in plan_works(job, config, sample):
-        print(w.to_json())
-    return 0
+    """`python -m consumer throughput-plan JOB [--target-config DIR] [--sample-tokens N]`: a JSON line a drafter."""
+    return plan_command("consumer", "throughput-plan", argv, DESCRIPTION, read_config, work=plan_works)

@@ -2,7 +2,8 @@
 `python -m producer regenerate ...`: regenerate a dataset's responses with the target (see --help).
 `python -m producer data-stats JOB.toml`: what the job's data holds and how many batches and steps it makes.
 `python -m producer memory-plan JOB.toml`: the target ranks' planned GPU memory (producer/memory_plan.py).
-`python -m producer throughput-plan JOB.toml`: the target forward's and hand-off's work a batch (producer/throughput_plan.py)."""
+`python -m producer throughput-plan JOB.toml`: the target forward's and hand-off's work a batch (producer/throughput_plan.py).
+`python -m producer plan JOB.toml`: both, in one process, as JSON lines (producer/dry_run_plan.py; launch.sh --dry-run)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from producer.throughput_plan import main as throughput_plan
 
         return throughput_plan(argv[1:])
+    if argv[:1] == ["plan"]:
+        from producer.dry_run_plan import main as plan
+
+        return plan(argv[1:])
     ap = argparse.ArgumentParser(prog="dflash-producer", description=__doc__)
     ap.add_argument("--job", required=True, help="the job file (TOML)")
     ap.add_argument("--node-rank", type=int, default=0)

@@ -16,7 +16,6 @@ chunked linear-attention fallback at 16k tokens would take minutes, the two runs
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from common.fp8 import CHUNK
 from common.launch_plan import producer_name
 from common.memory_plan import CUDA_CONTEXT_BYTES, ProcessMemory, frozen_peak
 from common.packed_batch import ITEM_BYTES, required_slot_bytes
+from common.role_plans import PlanInputError, plan_command
 from common.target_keys import set_layer_count
 from common.target_probe import EXPERT_COUNT_KEYS
 
@@ -42,7 +42,7 @@ TP_SPLIT_KEYS = (
 )
 
 
-class TargetConfigError(ValueError):
+class TargetConfigError(PlanInputError, ValueError):
     """No usable target config.json; the message names the path."""
 
 
@@ -179,28 +179,14 @@ def plan_target(job: JobConfig, text: PretrainedConfig) -> list[ProcessMemory]:
     return out
 
 
+DESCRIPTION = "the target ranks' planned GPU memory (common/memory_plan.py), one JSON line per rank with --json"
+
+
+def read_config(job: JobConfig, path: str) -> PretrainedConfig:
+    """The plan commands' input reader (common/role_plans.py): the target's text config."""
+    return read_text_config(path)
+
+
 def main(argv: list[str]) -> int:
-    import argparse
-    import sys
-
-    from common.config import ConfigError, load_job
-
-    ap = argparse.ArgumentParser(
-        prog="python -m producer memory-plan",
-        description="the target ranks' planned GPU memory (common/memory_plan.py), one JSON line per rank with --json",
-    )
-    ap.add_argument("job")
-    ap.add_argument(
-        "--target-config", default=None, help="the target's model directory or config.json (default: target.path)"
-    )
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        job = load_job(args.job)
-        entries = plan_target(job, read_text_config(args.target_config or job.target.path))
-    except (ConfigError, TargetConfigError) as err:
-        print(f"producer memory-plan: {err}", file=sys.stderr)
-        return 2
-    for e in entries:
-        print(e.to_json() if args.json else f"{e.process} {e.device} {json.dumps(e.parts)}")
-    return 0
+    """`python -m producer memory-plan JOB [--target-config DIR] [--json]`: one line per target rank."""
+    return plan_command("producer", "memory-plan", argv, DESCRIPTION, read_config, memory=plan_target)

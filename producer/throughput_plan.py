@@ -16,8 +16,9 @@ from transformers import AutoModel, PretrainedConfig
 
 from common.config import JobConfig
 from common.flop_model import expert_counts, ring_allreduce_bytes, target_forward_flops, target_layer_shapes
+from common.role_plans import plan_command
 from common.throughput_plan import Work
-from producer.memory_plan import DTYPES, captured_cut, rank_shard
+from producer.memory_plan import DTYPES, captured_cut, rank_shard, read_config
 
 
 def target_work(job: JobConfig, text: PretrainedConfig, sample_tokens: int) -> list[Work]:
@@ -56,29 +57,9 @@ def target_work(job: JobConfig, text: PretrainedConfig, sample_tokens: int) -> l
     return [forward, Work("hand-off", t.replicas, handoff, note)]
 
 
+DESCRIPTION = "the target forward's and the hand-off's work per batch (common/throughput_plan.py)"
+
+
 def main(argv: list[str]) -> int:
-    import argparse
-    import sys
-
-    from common.config import ConfigError, load_job
-    from producer.memory_plan import TargetConfigError, read_text_config
-
-    ap = argparse.ArgumentParser(
-        prog="python -m producer throughput-plan",
-        description="the target forward's and the hand-off's work per batch (common/throughput_plan.py)",
-    )
-    ap.add_argument("job")
-    ap.add_argument("--target-config", default=None, help="the target's model directory (default: target.path)")
-    ap.add_argument("--sample-tokens", type=int, default=None, help="mean sample length (default: data.max_length)")
-    args = ap.parse_args(argv)
-    try:
-        job = load_job(args.job)
-        text = read_text_config(args.target_config or job.target.path)
-        sample = min(args.sample_tokens or job.data.max_length, job.data.tokens_per_batch)
-        works = target_work(job, text, sample)
-    except (ConfigError, TargetConfigError) as err:
-        print(f"producer throughput-plan: {err}", file=sys.stderr)
-        return 2
-    for w in works:
-        print(w.to_json())
-    return 0
+    """`python -m producer throughput-plan JOB [--target-config DIR] [--sample-tokens N]`: a JSON line a stage."""
+    return plan_command("producer", "throughput-plan", argv, DESCRIPTION, read_config, work=target_work)
