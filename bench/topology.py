@@ -10,7 +10,7 @@ would). The sleep is calibrated: each worker measures how long its sleeps really
 time is what counts as the simulated step.
 
 REAL, exactly as in a job: the processes (one per producer, one per consumer, started by this script), the
-producer loop (producer/service.py: delivery, slot table, back-pressure, control socket with heartbeats,
+producer loop (producer/service.py, sessions.py: delivery, slot table, back-pressure, control socket with heartbeats,
 writing each batch's tokens, mask and cu_seqlens into a shared-memory slot of the ring, BATCH messages),
 the consumer's fan-in over every producer (consumer/fanin.py), its copy-out of every batch from the ring
 and RELEASE, and the consumer's training loop (consumer/service.py: rounds, the all-reduce of round flags

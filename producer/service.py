@@ -3,7 +3,9 @@
 One target forward serves every drafter. On a CUDA ring the next batch's forward is queued before the last
 one's writes are waited for and it is published (one batch in flight), so the GPU never idles between two
 forwards; a CPU forward is synchronous and is published at once. The loop reads top to bottom in `run()`;
-message handling, slot waits and the end of the job are the helpers below it; evaluation passes are run by
+its stages and slot waits are the helpers below it. The consumers' messages are served by
+producer/sessions.py wherever the loop waits; the wait for the groups before the first batch, the decision that
+the stream is over and the farewell are producer/stream_ends.py's; evaluation passes are run by
 producer/validation_passes.py where the loop says one may be due. Every wait is a poll with a timeout.
 """
 
@@ -14,43 +16,32 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from common.accounting import DeliveryLedger
 from common.backoff import Backoff
-from common.channel import PeerLost, ProducerChannel, Received
+from common.channel import ProducerChannel
 from common.config import JobConfig
 from common.fp8 import quantize_rows
 from common.host_memory import keep_freed_memory
 from common.packed_batch import FIELDS, SCALE, PackedBatch, required_slot_bytes, slot_feature_dtype, slot_items
 from common.profile import ProfileStats, timed
-from common.protocol import DATA_EXHAUSTED, Attached, Batch, Bye, End, Fail, Hello, Release, Welcome
+from common.protocol import Batch
 from common.ring import DTYPES, RingError, SlotRing, TensorSpec, layout_to_wire, plan_layout
 from common.security import private_dir, server_curve
 from common.startup import StartupBeat
 from common.stats import StatsSink
 from common.supervisor import STOP_SIGNALS, stop_reason
 from producer.delivery import Delivery
+from producer.sessions import POLL_S, ConsumerSessions, ProducerCounters
 from producer.slot_table import SlotTable
+from producer.stream_ends import StreamEnds
 from producer.target import TargetCapture
-from producer.tp import LeaderTarget
 from producer.validation import HeldOut
 from producer.validation_passes import ValidationPasses
 
 log = logging.getLogger("producer")
-
-POLL_S = 0.05
-
-
-@dataclass
-class ProducerCounters:
-    batches: int = 0
-    tokens: int = 0
-    stale_messages: int = 0
-    fenced: int = 0
-    rejected_hellos: int = 0  # HELLOs that do not fit the job (drafter, replica, node, launch)
 
 
 def slot_layout(tokens: int, sequences: int, feature_width: int, feature_dtype: str) -> list[TensorSpec]:
@@ -95,8 +86,6 @@ class ProducerService:
         `ring`: made by `create_ring` before the target loaded (None: made here), owned by the service now;
         `held_out`: the validation records whose passes this producer runs (producer/validation_passes.py)."""
         self.job = job
-        self.launch_id = launch_id
-        self.node = node
         self.target = target
         self.batches_from = batches_from
         self.prof = prof
@@ -152,8 +141,6 @@ class ProducerService:
         # the batch whose forward was queued last, not yet published: (slot, batch, layout)
         self._in_flight: tuple[int, PackedBatch, list[TensorSpec]] | None = None
         self.overlap_forwards = self.ring.kind == "cuda"  # a CPU forward is done when it returns: publish at once
-        self._unattended_since: float | None = None  # skip mode: since when no unfinished group has a consumer
-        self._abandoned: list[str] = []  # groups the job ended without (skip mode, none came back in time)
         self.validation = ValidationPasses(
             held_out=held_out,
             delivery=self.delivery,
@@ -163,6 +150,26 @@ class ProducerService:
             write_slot=self._write_slot,
             ledger=ledger,
             prof=prof,
+        )
+        self.sessions = ConsumerSessions(
+            job=job,
+            launch_id=launch_id,
+            node=node,
+            target=target,
+            ring=self.ring,
+            channel=self.channel,
+            delivery=self.delivery,
+            table=self.table,
+            validation=self.validation,
+            counters=self.counters,
+            prof=prof,
+        )
+        self.ends = StreamEnds(
+            transport=t,
+            delivery=self.delivery,
+            channel=self.channel,
+            sessions=self.sessions,
+            stop_reason=lambda: self._stop_reason,
         )
         log.info(
             "ring: %s, %d slots × %.1f MiB; control on %s; %d batches planned",
@@ -180,12 +187,12 @@ class ProducerService:
             self._startup = contextlib.ExitStack()
             self._startup.enter_context(self.beat.phase("first batch", "waiting for consumers, then its forward"))
         try:
-            if not self._wait_for_groups():
+            if not self.ends.wait_for_groups():
                 return 0 if self._stop_reason else 2  # stopped while waiting is no failure
             said_end = False
             while self._stop_reason is None:
-                self._handle_messages(timeout_s=0)
-                if self._finished() and (said_end := self._farewell()):
+                self.sessions.handle_messages(timeout_s=0)
+                if self.ends.finished() and (said_end := self.ends.farewell()):
                     break
                 ahead = self._in_flight is not None  # batch n's forward is queued: n+1's goes in behind it
                 seq = self.delivery.next_seq_after(self._in_flight[1].seq) if ahead else self.delivery.next_seq()
@@ -213,9 +220,9 @@ class ProducerService:
                 self.table.abort(self._in_flight[0])
                 self._in_flight = None
             if not said_end:  # stopped: END with the stop's reason
-                self._farewell()
+                self.ends.farewell()
             self._log_done()
-            return 1 if self._abandoned else 0
+            return 1 if self.ends.abandoned else 0
         finally:
             self._end_startup()
             self.close()
@@ -271,7 +278,7 @@ class ProducerService:
         self._in_flight = None
         wait = Backoff()
         while not self.ring.is_written(slot):
-            self._handle_messages(timeout_s=wait.next())
+            self.sessions.handle_messages(timeout_s=wait.next())
         if batch.seq != self.delivery.next_seq():
             self.table.abort(slot)
             return
@@ -324,7 +331,7 @@ class ProducerService:
         self.validation.run_due()  # before END: the end of the data has its pass
         for g in self.delivery.groups.values():
             if g.ended:
-                self._end_group(g.drafter)
+                self.sessions.end_group(g.drafter)
 
     def _acquire_slot(self) -> int | None:
         """A free slot; waits (back-pressure, timed) while every slot is held by consumers."""
@@ -341,244 +348,11 @@ class ProducerService:
         """A free slot, waiting (back-pressure: serving messages) while consumers hold every one; None on a stop."""
         slot = self.table.acquire()
         while slot is None and self._stop_reason is None:
-            self._handle_messages(timeout_s=POLL_S)
+            self.sessions.handle_messages(timeout_s=POLL_S)
             slot = self.table.acquire()
         return slot
 
-    # ------------------------------------------------------------------------------------ messages
-    def _handle_messages(self, timeout_s: float) -> None:
-        if isinstance(self.target, LeaderTarget):
-            self.target.keepalive()  # a tensor-parallel group's followers wait for rank 0 with a timeout
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ev = self.channel.recv(max(0.0, deadline - time.monotonic()))
-            if ev is None:
-                return
-            if isinstance(ev, PeerLost):
-                self._fence(ev.peer, ev.reason)
-            else:
-                self._on_message(ev)
-            deadline = time.monotonic()  # drain whatever else is queued, then return
-
-    def _on_message(self, ev: Received) -> None:
-        msg, peer = ev.msg, ev.peer
-        if isinstance(msg, Hello):
-            self._on_hello(peer, msg)
-        elif isinstance(msg, Attached):
-            member = self.delivery.attach(peer, msg.epoch)
-            if member is None:
-                self._stale(peer, msg)
-            else:
-                group = self.delivery.groups[member.drafter]
-                log.info(
-                    "%s.r%d (pid %d) attached; its group resumes at seq %s%s",
-                    member.drafter,
-                    member.replica,
-                    member.pid,
-                    group.cursor,
-                    f", seqs {sorted(group.replay)} made again (never trained)" if group.replay else "",
-                )
-                if member.formed:  # the group (re)formed at this member's resume seq
-                    self.validation.group_formed(member.drafter, group.cursor)
-                if group.ended:  # nothing left for it (it may re-attach after the group's END)
-                    self._end_group(member.drafter)
-                if member.resume_seq > self.delivery.total_batches:  # data.epochs lowered below what it trained
-                    log.warning(
-                        "%s resumes at seq %d, past the end of this plan (%d batches, data.epochs = %d): its"
-                        " checkpoint trained more epochs than the job now asks for; nothing is left to train"
-                        " for it",
-                        member.drafter,
-                        member.resume_seq,
-                        self.delivery.total_batches,
-                        self.job.data.epochs,
-                    )
-        elif isinstance(msg, Release):
-            if self.delivery.member(peer, msg.epoch) is None:
-                # a session that ended (fenced) kept these batches after all: they are no orphans
-                self.delivery.released_late(msg.epoch, [seq for seq, _slot in msg.pairs])
-                self._stale(peer, msg)
-                return
-            for seq, slot in msg.pairs:
-                self.table.release(peer, seq, slot)
-        elif isinstance(msg, Bye):
-            member = self.delivery.leave(peer)
-            self.table.reclaim(peer)
-            self.channel.forget(peer)
-            if member:
-                log.info(
-                    "%s.r%d said bye (%s, trained through seq %d)",
-                    member.drafter,
-                    member.replica,
-                    msg.reason,
-                    msg.trained_seq,
-                )
-        elif isinstance(msg, Fail):
-            log.error("consumer %r failed: %s", peer, msg.reason)
-            self._fence(peer, f"reported failure: {msg.reason}")
-        else:
-            self._stale(peer, msg)
-
-    def _hello_problem(self, msg: Hello) -> str | None:
-        """Why a HELLO does not belong to this job's node and launch; None when it does."""
-        if msg.launch != self.launch_id:
-            return (
-                f"launch {msg.launch or '(none)'} is not this producer's launch {self.launch_id or '(none)'}:"
-                " another launch of the same job?"
-            )
-        if msg.node != self.node:
-            return f"node {msg.node}: this producer serves node {self.node}"
-        drafter = next((d for d in self.job.drafters if d.name == msg.drafter), None)
-        if drafter is None:
-            return f"no drafter {msg.drafter!r} in this job (have {[d.name for d in self.job.drafters]})"
-        if not 0 <= msg.replica < drafter.replicas:
-            return f"replica {msg.replica} is outside drafter {drafter.name}'s {drafter.replicas} replica(s)"
-        return None
-
-    def _on_hello(self, peer: bytes, msg: Hello) -> None:
-        problem = self._hello_problem(msg)
-        if problem is not None:  # refused before it can touch any state (slots, groups, cursors)
-            self.counters.rejected_hellos += 1
-            if self.prof:
-                self.prof.count("rejected_hellos")
-            log.warning("rejected HELLO from %r (pid %d): %s", peer, msg.pid, problem)
-            self.channel.send(peer, Fail(f"rejected: {problem}", fatal=True))
-            self.channel.forget(peer)
-            return
-        # a previous session of this consumer holds nothing any more: what it held unreleased it never trained
-        unreleased = self.table.held_by(peer)
-        self.table.reclaim(peer)
-        member = self.delivery.join(
-            peer,
-            msg.drafter,
-            msg.replica,
-            msg.pid,
-            msg.resume_seq,
-            reattached=msg.ring_attached,
-            unreleased=unreleased,
-        )
-        t = self.job.transport
-        # a CUDA export must be opened exactly once: a process that holds the ring gets none
-        handle = {} if msg.ring_attached else self.ring.handle()
-        self.channel.send(
-            peer,
-            Welcome(
-                member.epoch,
-                self.ring.kind,
-                self.ring.num_slots,
-                self.ring.slot_bytes,
-                handle,
-                t.heartbeat_interval_s,
-                t.heartbeat_timeout_s,
-                self.launch_id,
-            ),
-        )
-
-    def _fence(self, peer: bytes, reason: str) -> None:
-        member = self.delivery.leave(peer, self.table.held_by(peer))
-        freed = self.table.reclaim(peer)
-        self.channel.forget(peer)
-        if member:
-            self.counters.fenced += 1
-            if self.prof:
-                self.prof.count("fenced")
-            log.warning(
-                "fenced %s.r%d (pid %d): %s; reclaimed slots %s",
-                member.drafter,
-                member.replica,
-                member.pid,
-                reason,
-                freed,
-            )
-
-    def _stale(self, peer: bytes, msg: object) -> None:
-        """A message from a session we no longer know (fenced, replaced): ignore it, tell the sender."""
-        self.counters.stale_messages += 1
-        if self.prof:
-            self.prof.count("stale_messages")
-        self.channel.send(peer, Fail("fenced: unknown session, send HELLO again", fatal=False))
-
-    # ------------------------------------------------------------------------------------ start, end
-    def _finished(self) -> bool:
-        """Every group has all its batches; or (skip mode) every unfinished group is gone and none came back
-        within transport.attach_timeout_s. Skip mode must not end the job just because every consumer is
-        restarting at the same moment: their groups would never get the rest of the data."""
-        if not self.delivery.finished():
-            self._unattended_since = None
-            return False
-        unfinished = [g.drafter for g in self.delivery.groups.values() if not g.ended]
-        if not unfinished:
-            return True
-        now, timeout = time.monotonic(), self.job.transport.attach_timeout_s
-        if self._unattended_since is None:
-            self._unattended_since = now
-            log.warning(
-                "no consumer attached for unfinished drafter(s) %s; waiting up to %.0f s"
-                " (transport.attach_timeout_s) for one to come back",
-                unfinished,
-                timeout,
-            )
-        if now - self._unattended_since <= timeout:
-            return False
-        log.error(
-            "no consumer of drafter(s) %s came back within %.0f s: ending the job without their remaining batches",
-            unfinished,
-            timeout,
-        )
-        self._abandoned = unfinished
-        return True
-
-    def _wait_for_groups(self) -> bool:
-        """Every group needs an attached member before the first batch (skip mode: as many as came in time)."""
-        deadline = time.monotonic() + self.job.transport.attach_timeout_s
-        last_note = 0.0
-        while self._stop_reason is None:
-            self._handle_messages(timeout_s=POLL_S)
-            missing = [g.drafter for g in self.delivery.groups.values() if not g.live()]
-            if not missing:
-                return True
-            now = time.monotonic()
-            if now > deadline:
-                if self.job.transport.on_dead_group == "skip" and len(missing) < len(self.delivery.groups):
-                    log.warning("starting without drafter group(s) %s (on_dead_group = skip)", missing)
-                    return True
-                log.error(
-                    "no consumer attached for drafter(s) %s within transport.attach_timeout_s = %.0f s",
-                    missing,
-                    self.job.transport.attach_timeout_s,
-                )
-                return False
-            if now - last_note > 10:
-                log.info("waiting for consumers of %s", missing)
-                last_note = now
-        return False
-
-    def _end_group(self, drafter: str) -> None:
-        for m in self.delivery.groups[drafter].live():
-            if not m.told_end:
-                self.channel.send(m.peer, End(DATA_EXHAUSTED, self.delivery.total_batches - 1))
-                m.told_end = True
-
-    def _farewell(self) -> bool:
-        """Tell every consumer the stream ended, then wait (bounded) for their releases and BYEs. False when,
-        meanwhile, a consumer re-attached behind its group and has batches to be made again (not on a stop):
-        the loop goes on, and its END follows them."""
-        reason = self._stop_reason or DATA_EXHAUSTED
-        for m in list(self.delivery.by_peer.values()):
-            if not m.told_end:
-                self.channel.send(m.peer, End(reason, self.channel.last_seq))
-                m.told_end = True
-        grace = max(10.0, self.job.transport.heartbeat_timeout_s)
-        deadline = time.monotonic() + grace
-        while self.delivery.by_peer and time.monotonic() < deadline:
-            self._handle_messages(timeout_s=POLL_S)
-            if self._stop_reason is None and not self.delivery.finished():
-                return False  # a fenced session left batches it never trained, or one came back for them
-        if self.delivery.by_peer:
-            log.warning(
-                "consumers %s did not say bye within %.0f s", [m.peer for m in self.delivery.by_peer.values()], grace
-            )
-        return True
-
+    # ------------------------------------------------------------------------------------ end
     def _log_done(self) -> None:
         log.info(
             "producer done (%s): %d batches, %d tokens, %d fenced, %d stale messages, %d stale releases,"
@@ -611,6 +385,6 @@ class ProducerService:
 
     def _timed_wait(self, key: str) -> None:
         start = time.perf_counter()
-        self._handle_messages(timeout_s=POLL_S)
+        self.sessions.handle_messages(timeout_s=POLL_S)
         if self.prof:
             self.prof.add(key, time.perf_counter() - start)
