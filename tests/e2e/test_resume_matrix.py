@@ -220,15 +220,16 @@ REGROUP = {
     ),
     "fsdp_two_replicas_resumed_as_one": ([FSDP], {}, "group", ([ONE_STEPPED], {})),
     "one_replica_resumed_as_fsdp_two": ([ONE_STEPPED], {}, "group", ([FSDP], {})),
+    "tp1_group_killed_resumed_under_tp2": ([D0], {}, "group", ([D0], {"target": {"tp_size": 2}})),
 }
 
 
 @pytest.mark.parametrize("case", list(REGROUP))
 def test_a_killed_group_resumes_exactly_once_also_under_another_world_size(assets, case):
-    """A drafter's replicas (FSDP, gradient accumulation over ~3 batches) or the target's replicas: a SIGKILL, the
-    resume (under another world size where the case says so: the checkpoint is unsharded and its cursor per
-    producer, so it re-shards and re-deals), every batch trained once, and the resumed run went on from its
-    checkpoint's step."""
+    """A drafter's replicas (FSDP, gradient accumulation over ~3 batches), the target's replicas or its TP size: a
+    SIGKILL, the resume (under another world size where the case says so: the checkpoint is unsharded and its
+    cursor per producer, not per TP rank, so it re-shards and re-deals), every batch trained once, and the resumed
+    run went on from its checkpoint's step."""
     drafters, tables, killed, second = REGROUP[case]
     job = make_job(assets, case.replace("_", "")[:10], drafters, **tables)
     procs = start(job, "a")
@@ -254,3 +255,6 @@ def test_a_killed_group_resumes_exactly_once_also_under_another_world_size(asset
     assert final(job, "d0").step > at.step
     if case.startswith("fanin"):
         assert "this run has 1: its trained seqs are re-dealt" in log, log[-2000:]
+    if case.startswith("tp1"):  # the resumed forwards ran on a TP group of 2: its follower rank forwarded too
+        follower = (out_dir(job) / "b-producer-tp1.log").read_text()
+        assert "rank 0 ended the group after " in follower, follower[-2000:]
