@@ -339,6 +339,53 @@ def test_speculative_decoding_with_the_markov_walk_is_lossless(trained):
     assert proposer.propose(feats[:p], seq[: p + 1]).tolist() == trainer.model.walk(h, block[0]).tolist()
 
 
+@pytest.mark.slow
+def test_a_hybrid_target_trains_a_dspark_drafter_whose_walk_decodes_losslessly(tmp_path):
+    """Qwen3.5's text decoder (Gated DeltaNet + full attention: dflash-eval restores its recurrent state from a
+    copy on a rejected draft, it cannot crop it): the DSpark head trains on its features, exports, and
+    speculative decoding with the Markov walk equals the target's own greedy decoding, with drafts accepted."""
+    from consumer.checkpoint import save_checkpoint
+    from consumer.target_parts import load_target_parts
+    from consumer.trainer import Trainer
+    from evaluation.evaluate import load_drafter, load_target
+    from evaluation.speculative import greedy_generate, speculative_generate
+    from tests.target_zoo import EOS_ID, SPECIAL_TOKENS, build_target, layer_outputs, load_model
+
+    path = build_target("qwen3_5_text", tmp_path / "target")
+    target = load_model(path)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(30.0)  # wide logit gaps: no near-ties in greedy
+    target.save_pretrained(str(path))
+    layer_ids = [0, 2]  # of its 4 layers (3 linear + 1 full): not the last, which SGLang serves no DSpark tap of
+    prompts = [torch.tensor([len(SPECIAL_TOKENS) + 7 * i, 70 + i, 80, 90 + 3 * i]) for i in range(3)]
+    with torch.no_grad():
+        seqs = [
+            target.generate(p[None], max_new_tokens=30, do_sample=False, eos_token_id=EOS_ID, pad_token_id=0)[0]
+            for p in prompts
+        ]
+    feats = torch.cat([layer_outputs(target, s, layer_ids) for s in seqs])
+    ids = torch.cat(seqs)
+    mask = torch.cat([(torch.arange(len(s)) >= len(p)).to(torch.uint8) for s, p in zip(seqs, prompts, strict=True)])
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    cfg = drafter_cfg(arch="dspark", block_size=B, num_layers=1, anchors_per_seq=24, markov_rank=R, dtype="float32")
+    trainer = Trainer(cfg, load_target_parts(path), layer_ids, "cpu")
+    for i in range(50):
+        assert math.isfinite(trainer.train_batch(feats, ids, mask, cu, seq=i)["loss"])
+    ckpt = save_checkpoint(tmp_path / "ckpt", trainer)
+    proposer = load_drafter(ckpt, path)
+    assert type(proposer).__name__ == "DSparkProposer"
+    runner = load_target(path, proposer.layer_ids)
+    taus, accepts = [], []
+    for prompt in [*prompts, torch.tensor([300, 301, 17]), torch.tensor([9, 250, 31, 77])]:  # the last two unseen
+        spec = speculative_generate(runner, proposer, prompt, 30, EOS_ID)
+        plain = greedy_generate(runner, prompt, 30, EOS_ID)
+        assert spec.tokens == plain.tokens, (prompt, spec.tokens, plain.tokens)
+        taus.append(spec.mean_accept)
+        accepts += spec.accept_lengths
+    assert min(taus[:3]) > 2.0, taus  # trained on these continuations: whole blocks accepted
+    assert min(accepts) < B + 1, accepts  # and rejected drafts too: the recurrent state was restored, not cropped
+
+
 def test_dflash_eval_loads_a_deepspec_layout(trained, tmp_path):
     """DeepSpec's build_draft_config states the DFlash keys at the top level only (no dflash_config) and its
     checkpoint holds its frozen embed_tokens / lm_head copies: dflash-eval loads it and drafts as our export."""
