@@ -6,6 +6,7 @@ import os
 import pathlib
 import resource
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -112,3 +113,24 @@ def short_tmp():
     path = pathlib.Path(tempfile.mkdtemp(prefix="dft-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def tmpfs(short_tmp):
+    """`tmpfs(size_kib, read_only=False)`: a real small file system of its own, mounted under `short_tmp` and
+    unmounted after the test (a full or read-only disk); root only, the test is skipped otherwise."""
+    mounted = []
+
+    def mount(size_kib: int, *, read_only: bool = False):
+        path = short_tmp / f"mnt{len(mounted)}"  # a run folder's socket paths are short
+        path.mkdir()
+        opts = f"size={size_kib}k" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -2,7 +2,6 @@
 and the previous checkpoint stays intact. Real small tmpfs mounts (root only; skipped otherwise)."""
 
 import errno
-import subprocess
 import uuid
 
 import pytest
@@ -23,25 +22,6 @@ from tests.consumer.test_drafter_common import (
     target_features,
     tiny_target,
 )
-
-
-@pytest.fixture
-def tmpfs(short_tmp):
-    mounted = []
-
-    def mount(size_kib: int, *, read_only: bool = False):
-        path = short_tmp / f"mnt{len(mounted)}"  # a run folder's socket paths are short
-        path.mkdir()
-        opts = f"size={size_kib}k" + (",ro" if read_only else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture(scope="module")

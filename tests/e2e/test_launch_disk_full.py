@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from bench.harness import write_job
-from bench.soak_faults import fill, unfill
+from bench.soak_faults import fill
 from common.log_tee import Tee
 from tests.jobs import finish, launch
 
@@ -31,15 +30,8 @@ print("consumer-d0-r0 INFO saving checkpoint step_20", flush=True)
 
 
 @pytest.fixture
-def small_disk(short_tmp):
-    path = short_tmp / "disk"  # a run folder's socket paths are short
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield path
-    unfill(path)
-    subprocess.run(["umount", "-l", str(path)], check=False)
+def small_disk(tmpfs):
+    return tmpfs(2048)
 
 
 def test_the_failing_process_s_error_and_the_full_disk_reach_the_terminal(small_disk, tmp_path):

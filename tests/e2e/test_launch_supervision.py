@@ -377,15 +377,9 @@ def test_every_exit_that_comes_with_a_stop_signal_is_collected_once_with_its_sta
 
 
 @pytest.fixture
-def read_only_dir(tmp_path):
-    """A read-only file system (a tmpfs remounted ro: root only; as root, mode bits alone refuse nothing)."""
-    where = tmp_path / "ro"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
-    yield where
-    subprocess.run(["umount", "-l", str(where)], check=False)
+def read_only_dir(tmpfs):
+    """A read-only file system (a tmpfs mounted ro: root only; as root, mode bits alone refuse nothing)."""
+    return tmpfs(1024, read_only=True)
 
 
 @pytest.mark.parametrize("inside", [False, True])
