@@ -196,7 +196,8 @@ own_tail() {  # the last lines this launch's process wrote (an earlier run's lin
   else
     tail -c +"$((offset_of[$1] + 1))" "${log_of[$1]}" 2>/dev/null | tail -n 5 | sed 's/^/    /' >&2
   fi
-  if cat "$t" "$t.lost" 2>/dev/null | grep -qiE 'no space left on device|errno 28|os error 28|ENOSPC|disk quota exceeded'; then
+  # grep reads the files itself: `cat | grep -q` under pipefail failed whenever grep's early exit cut cat's write
+  if grep -qsiE 'no space left on device|errno 28|os error 28|ENOSPC|disk quota exceeded' "$t" "$t.lost"; then
     local free mount
     read -r free mount < <(df -P -k "$run_dir" 2>/dev/null | awk 'NR == 2 { print $4, $6 }')
     echo "launch.sh: ${name_of[$1]} failed on a full disk: $run_dir is on ${mount:-?}," \
